@@ -1,0 +1,1 @@
+"""Kernel backends; see sparsekv.ops._registry for how one is chosen."""

@@ -1,0 +1,1 @@
+"""Public ops: argument checks, then dispatch to a backend (see ``_registry``)."""

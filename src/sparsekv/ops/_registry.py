@@ -1,0 +1,79 @@
+"""Backend choice for every public op.
+
+Each op family ``F`` has one module per backend with functions of the same
+names: ``sparsekv.kernels.reference.F`` (readable PyTorch, the oracle),
+``sparsekv.kernels.cpu.F`` (fast CPU path) and ``sparsekv.kernels.triton.F``
+(GPU kernels; on CPU tensors only through Triton's interpreter).
+
+``SPARSEKV_BACKEND`` overrides the automatic choice:
+
+* ``auto`` (default): ``cpu`` for CPU tensors, ``triton`` for CUDA tensors
+  (``reference`` when Triton is missing);
+* ``reference``: the PyTorch oracle on any device;
+* ``cpu`` / ``triton``: force that backend (``triton`` on CPU tensors needs
+  ``TRITON_INTERPRET=1``).
+
+``SPARSEKV_DEBUG=1`` makes GPU ops run the host-side validation (page
+bounds, offsets) that they otherwise skip to stay free of host syncs.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+from collections.abc import Callable
+
+import torch
+
+BACKEND_ENV = "SPARSEKV_BACKEND"
+DEBUG_ENV = "SPARSEKV_DEBUG"
+BACKENDS = ("reference", "cpu", "triton")
+
+
+@functools.lru_cache(maxsize=None)
+def triton_status() -> tuple[bool, str]:
+    """Whether Triton kernels can run here, and why not when they cannot."""
+    try:
+        import triton  # noqa: F401
+    except Exception as exc:  # pragma: no cover - depends on the machine
+        return False, f"triton is not importable ({exc})"
+    return True, "ok"
+
+
+def debug_checks() -> bool:
+    """True when ``SPARSEKV_DEBUG`` asks device ops for host-side validation."""
+    return os.environ.get(DEBUG_ENV, "0") not in ("", "0", "false", "False")
+
+
+def choose_backend(device: torch.device) -> str:
+    """The backend an op on ``device`` runs with, honouring ``SPARSEKV_BACKEND``."""
+    forced = os.environ.get(BACKEND_ENV, "auto")
+    if forced not in BACKENDS + ("auto",):
+        raise ValueError(f"{BACKEND_ENV}: expected one of auto, {', '.join(BACKENDS)}; got {forced!r}")
+    if forced != "auto":
+        if forced == "triton":
+            ok, why = triton_status()
+            if not ok:
+                raise RuntimeError(f"{BACKEND_ENV}=triton but {why}")
+            if device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+                raise RuntimeError(f"{BACKEND_ENV}=triton on CPU tensors needs TRITON_INTERPRET=1")
+        if forced == "cpu" and device.type != "cpu":
+            raise RuntimeError(f"{BACKEND_ENV}=cpu but the tensors are on {device}")
+        return forced
+    if device.type == "cpu":
+        return "cpu"
+    if device.type == "cuda" and triton_status()[0]:
+        return "triton"
+    return "reference"
+
+
+def kernel(family: str, name: str, device: torch.device) -> Callable:
+    """The implementation of ``family.name`` for tensors on ``device``."""
+    return _load(choose_backend(device), family, name)
+
+
+@functools.lru_cache(maxsize=None)
+def _load(backend: str, family: str, name: str) -> Callable:
+    module = importlib.import_module(f"sparsekv.kernels.{backend}.{family}")
+    return getattr(module, name)
