@@ -1,0 +1,114 @@
+"""Timing, peers and the result table shared by every benchmark.
+
+A row reports our time, the bytes the op must move at least, the achieved
+GB/s, and the time of each peer measured in the same run; ``ratio`` columns
+are ``peer_time / our_time`` (above 1 means we are faster).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+
+@dataclass
+class BenchRow:
+    """One measured op at one shape. Times are medians in milliseconds."""
+
+    op: str
+    shape: str
+    dtype: str
+    backend: str
+    time_ms: float
+    bytes_moved: int
+    peers_ms: dict[str, float] = field(default_factory=dict)
+    note: str = ""
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes_moved / (self.time_ms * 1e-3) / 1e9 if self.time_ms > 0 else float("nan")
+
+    def ratio(self, peer: str) -> float:
+        """``peer_time / our_time``: how many times faster than the peer we are."""
+        return self.peers_ms[peer] / self.time_ms
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["gb_per_s"] = self.gb_per_s
+        d["ratios"] = {p: self.ratio(p) for p in self.peers_ms}
+        return d
+
+
+def _sync(device: torch.device | None) -> None:
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_call(fn: Callable[[], object], *, device: torch.device | str | None = None,
+              warmup: int = 2, repeat: int = 10, min_seconds: float = 0.0) -> float:
+    """Median wall time of ``fn()`` in milliseconds (CUDA events on a GPU).
+
+    Runs ``warmup`` untimed calls first, then at least ``repeat`` timed calls
+    and keeps going until ``min_seconds`` of timed calls have passed.
+    """
+    device = torch.device(device) if device is not None else None
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    samples: list[float] = []
+    started = time.perf_counter()
+    while len(samples) < repeat or time.perf_counter() - started < min_seconds:
+        if device is not None and device.type == "cuda":
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(begin.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e3)
+        if len(samples) >= 10 * max(repeat, 1):
+            break
+    return statistics.median(samples)
+
+
+def copy_peer(nbytes: int, device: torch.device | str = "cpu") -> Callable[[], object]:
+    """A same-run peer: ``dst.copy_(src)`` of ``nbytes`` bytes (reads and writes them once).
+
+    Its ``bytes_moved`` is counted as ``nbytes`` (the payload), like ours, so
+    GB/s compare like for like.
+    """
+    numel = max(1, nbytes // 4)
+    src = torch.randn(numel, device=device)
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src)
+
+
+def format_table(rows: list[BenchRow]) -> str:
+    """A fixed-width table: op, shape, dtype, backend, time, GB/s, then one ratio per peer."""
+    peers: list[str] = []
+    for r in rows:
+        peers += [p for p in r.peers_ms if p not in peers]
+    header = ["op", "shape", "dtype", "backend", "ms", "MB", "GB/s"] + [f"x{p}" for p in peers]
+    body = []
+    for r in rows:
+        cells = [r.op, r.shape, r.dtype, r.backend, f"{r.time_ms:.3f}", f"{r.bytes_moved / 1e6:.1f}",
+                 f"{r.gb_per_s:.2f}"]
+        cells += [f"{r.ratio(p):.2f}" if p in r.peers_ms else "-" for p in peers]
+        body.append(cells)
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *body)] if body else [len(h) for h in header]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(line, widths)) for line in [header, *body]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    legend = "x<peer> = peer time / our time (above 1: faster than the peer)"
+    return "\n".join(lines + [legend])
+
+
+def rows_to_json(rows: list[BenchRow]) -> str:
+    return json.dumps([r.to_dict() for r in rows], indent=2)
