@@ -1,8 +1,21 @@
 """Paged KV storage (layout, views) and its manager (page pool, prefix cache)."""
 
 from .hashing import page_hash, prefix_page_hashes
-from .layout import SENTINEL, UINT32_SENTINEL, PagedKVCache, PagedKVCacheCollection, ragged_rows, resolve_pages
-from .manager import BatchInputs, CacheGroupSpec, CacheMetrics, GroupUsage, PagedKVCacheManager
+from .layout import (
+    SENTINEL,
+    UINT32_SENTINEL,
+    PagedKVCache,
+    PagedKVCacheCollection,
+    ragged_rows,
+    resolve_pages,
+)
+from .manager import (
+    BatchInputs,
+    CacheGroupSpec,
+    CacheMetrics,
+    GroupUsage,
+    PagedKVCacheManager,
+)
 from .page_pool import InsufficientPagesError, PagePool, PageRecord
 
 __all__ = [
