@@ -1,0 +1,91 @@
+"""k-pool indexer benchmarks at GLM-5.3 shapes: compress and decode pool score.
+
+Shapes: ``D = 128``, ``kpool = 4``, 32 index heads, ``topk = 2048``; ``B = 4``
+requests of 8192 and 32768 tokens; bf16 and fp32. Peers measured in the same
+run: the reference kernel (``xreference``: how many times faster the fast path
+is) and a torch copy of the same bytes (``xcopy``: our GB/s over the copy's).
+
+* compress: one prefill call per request (cache empty), mode softmax, through
+  the public op. Bytes: ``k`` and ``gate`` read once, pooled keys written.
+* score: decode rows (one query per request at its last position) over all
+  its visible pools, pooled keys read through a paged cache of 64-token pages
+  (16 pools per page, scattered). Bytes: pooled keys, ``q`` and head weights
+  read, scores written.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..cache.pooled import make_pooled_collection
+from ..kernels.reference import kpool as reference
+from ..ops.kpool import kpool_pool_row_offsets, mla_kpool_compress, mla_kpool_score
+from .common import BenchRow, copy_peer, time_call
+
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
+HEAD_DIM, KPOOL, INDEX_HEADS, TOPK, PAGE_SIZE = 128, 4, 32, 2048, 64
+
+
+def _compress_row(batch: int, tokens: int, dtype: torch.dtype, repeat: int) -> BenchRow:
+    gen = torch.Generator().manual_seed(0)
+    total = batch * tokens
+    k = torch.randn(total, HEAD_DIM, generator=gen).to(dtype)
+    gate = (2 * torch.randn(total, HEAD_DIM, generator=gen)).to(dtype)
+    ape = torch.randn(KPOOL, HEAD_DIM, generator=gen)
+    offsets = torch.arange(0, total + 1, tokens, dtype=torch.int32)
+    cache = torch.zeros(batch, dtype=torch.int32)
+    pool_offsets = kpool_pool_row_offsets(offsets, cache, kpool=KPOOL)
+    out = torch.empty(int(pool_offsets[-1]), HEAD_DIM, dtype=dtype)
+    ref_out = torch.empty_like(out)
+    nbytes = 2 * k.numel() * k.element_size() + out.numel() * out.element_size()
+    ours = time_call(lambda: mla_kpool_compress(k, gate, ape, offsets, pool_offsets, cache, kpool=KPOOL, out=out),
+                     repeat=repeat)
+    ref = time_call(lambda: reference.mla_kpool_compress(ref_out, k, gate, ape, offsets, pool_offsets, cache, KPOOL,
+                                                         "softmax"), warmup=1, repeat=max(1, repeat // 3))
+    copy = time_call(copy_peer(nbytes), repeat=repeat)
+    same = torch.equal(out.view(torch.uint8), ref_out.view(torch.uint8))
+    return BenchRow("mla_kpool_compress", f"B={batch} T={tokens} D={HEAD_DIM} kpool={KPOOL}", _DTYPE_NAMES[dtype],
+                    "cpu", ours, nbytes, {"reference": ref, "copy": copy},
+                    note="bit-identical to reference" if same else "DIFFERS from reference")
+
+
+def _score_row(batch: int, tokens: int, dtype: torch.dtype, repeat: int) -> BenchRow:
+    gen = torch.Generator().manual_seed(1)
+    pools = tokens // KPOOL
+    per_page = PAGE_SIZE // KPOOL
+    pages_per_seq = -(-pools // per_page)
+    num_pages = batch * pages_per_seq + 1
+    blocks = torch.randn(num_pages, 1, 1, per_page, 1, HEAD_DIM, generator=gen).to(dtype)
+    table = torch.randperm(num_pages, generator=gen)[: batch * pages_per_seq].reshape(batch, pages_per_seq)
+    cache = make_pooled_collection(blocks, torch.full((batch,), tokens), table.to(torch.int32), kpool=KPOOL)
+    q = torch.randn(batch, INDEX_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    weights = torch.randn(batch, INDEX_HEADS, generator=gen) * INDEX_HEADS**-0.5 * HEAD_DIM**-0.5
+    positions = torch.full((batch,), tokens - 1, dtype=torch.int32)
+    offsets = torch.arange(batch + 1, dtype=torch.int32)
+    out = torch.empty(batch, pools)
+    ref_out = torch.empty_like(out)
+    elt = blocks.element_size()
+    nbytes = batch * pools * HEAD_DIM * elt + q.numel() * elt + weights.numel() * 4 + out.numel() * 4
+    ours = time_call(lambda: mla_kpool_score(q, weights, cache, 0, positions, offsets, kpool=KPOOL, out=out),
+                     repeat=repeat)
+    ref = time_call(lambda: reference.mla_kpool_score(ref_out, q, weights, blocks, cache.lookup_table, positions,
+                                                      offsets, KPOOL, 0), warmup=1, repeat=max(1, repeat // 3))
+    copy = time_call(copy_peer(nbytes), repeat=repeat)
+    err = float(((out - ref_out).abs().max() / ref_out.abs().max().clamp_min(1e-30)))
+    return BenchRow("mla_kpool_score", f"B={batch} decode t={tokens - 1} H={INDEX_HEADS} D={HEAD_DIM}",
+                    _DTYPE_NAMES[dtype], "cpu", ours, nbytes, {"reference": ref, "copy": copy},
+                    note=f"max rel err vs reference {err:.1e}")
+
+
+def run(quick: bool = False) -> list[BenchRow]:
+    """Compress and decode-score rows (quick: one small bf16 shape each)."""
+    batch = 4
+    lengths = [1024] if quick else [8192, 32768]
+    dtypes = [torch.bfloat16] if quick else [torch.bfloat16, torch.float32]
+    repeat = 3 if quick else 9
+    rows: list[BenchRow] = []
+    for op in (_compress_row, _score_row):
+        for dtype in dtypes:
+            for tokens in lengths:
+                rows.append(op(batch, tokens, dtype, repeat))
+    return rows

@@ -1,0 +1,293 @@
+"""Pool score, top-k expansion and the pooled-key paged cache (SPEC 3.3, 1.1)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparsekv import (
+    PagedKVCacheCollection,
+    kpool_indexer_step,
+    make_pooled_collection,
+    mla_kpool_compress,
+    mla_kpool_expand_topk,
+    mla_kpool_score,
+    store_pooled_keys,
+)
+from sparsekv.kernels.cpu import kpool as cpu
+from sparsekv.kernels.reference import kpool as ref
+
+
+def scattered_table(pages_per_seq, num_pages, gen):
+    physical = torch.randperm(num_pages, generator=gen)
+    table = torch.full((len(pages_per_seq), max(pages_per_seq)), -1, dtype=torch.int32)
+    used = 0
+    for b, count in enumerate(pages_per_seq):
+        table[b, :count] = physical[used: used + count]
+        used += count
+    return table
+
+
+def fill_pooled_cache(pooled_keys, kpool, pools_per_page, layer, num_layers, gen):
+    """Pooled cache holding ``pooled_keys[b]`` (``[pools_b, D]``) of each sequence at pool ids 0..pools_b-1."""
+    dim, dtype = pooled_keys[0].shape[1], pooled_keys[0].dtype
+    pages = [max(1, -(-p.shape[0] // pools_per_page)) for p in pooled_keys]
+    num_pages = sum(pages) + 2
+    table = scattered_table(pages, num_pages, gen)
+    blocks = torch.full((num_pages, 1, num_layers, pools_per_page, 1, dim), float("nan"), dtype=dtype)
+    batch = len(pooled_keys)
+    empty_cache = torch.zeros(batch, dtype=torch.int32)
+    coll = make_pooled_collection(blocks, empty_cache, table, kpool=kpool)
+    counts = torch.tensor([p.shape[0] for p in pooled_keys])
+    store_pooled_keys(coll, layer, torch.zeros(batch, dim, dtype=dtype), torch.full((batch,), -1),
+                      torch.cat(pooled_keys), torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]),
+                      empty_cache, kpool=kpool)
+    return blocks, table
+
+
+def brute_force_scores(q, w, pooled_keys, seq_of_row, positions, kpool, out_cols):
+    """Loop over rows and visible pools, float64; ``-inf`` elsewhere."""
+    scores = torch.full((q.shape[0], out_cols), float("-inf"), dtype=torch.float64)
+    for r in range(q.shape[0]):
+        keys = pooled_keys[seq_of_row[r]]
+        for p in range(out_cols):
+            if (p + 1) * kpool - 1 <= positions[r]:
+                dots = (q[r].double() * keys[p].double()).sum(-1)  # [H]
+                scores[r, p] = (w[r].double() * dots.clamp_min(0)).sum()
+    return scores.float()
+
+
+def assert_scores_close(actual, expected):
+    assert actual.dtype == torch.float32 and actual.shape == expected.shape
+    assert not torch.isnan(actual).any()
+    inf = torch.isinf(expected)
+    assert torch.equal(torch.isinf(actual), inf) and bool((actual[inf] < 0).all())
+    scale = expected[~inf].abs().max() if bool((~inf).any()) else torch.tensor(1.0)
+    err = (actual[~inf] - expected[~inf]).abs()
+    assert bool((err <= 1e-5 * (expected[~inf].abs() + 1e-2 * scale)).all()), f"max err {float(err.max())}"
+
+
+def score_case(dtype, seed, *, kpool=4, heads=5, dim=64, pools_per_page=3):
+    gen = torch.Generator().manual_seed(seed)
+    seq_lengths = [0, 3, 29, 17, 45]  # tokens in each sequence after this call
+    pooled_keys = [torch.randn(n // kpool, dim, generator=gen).to(dtype) for n in seq_lengths]
+    blocks, table = fill_pooled_cache(pooled_keys, kpool, pools_per_page, layer=1, num_layers=2, gen=gen)
+    # query rows: a prefill chunk of sequence 2, decode rows of the others, none for sequence 0
+    rows_per_seq = [0, 1, 9, 1, 2]
+    positions = []
+    for n, rows in zip(seq_lengths, rows_per_seq):
+        positions += list(range(n - rows, n))
+    total_q = len(positions)
+    q = torch.randn(total_q, heads, dim, generator=gen).to(dtype)
+    w = torch.randn(total_q, heads, generator=gen) / heads  # signed weights: relu is per head, before the sum
+    offsets = torch.tensor([0] + torch.tensor(rows_per_seq).cumsum(0).tolist(), dtype=torch.int32)
+    seq_of_row = sum(([b] * rows for b, rows in enumerate(rows_per_seq)), [])
+    coll = make_pooled_collection(blocks, torch.tensor(seq_lengths), table, kpool=kpool)
+    return coll, q, w, torch.tensor(positions, dtype=torch.int32), offsets, pooled_keys, seq_of_row
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_score_matches_brute_force(dtype):
+    coll, q, w, positions, offsets, pooled_keys, seq_of_row = score_case(dtype, seed=21)
+    scores = mla_kpool_score(q, w, coll, 1, positions, offsets, kpool=4)
+    assert scores.shape == (q.shape[0], 45 // 4)  # default width: the most pools a row sees
+    expected = brute_force_scores(q, w, pooled_keys, seq_of_row, positions.tolist(), 4, scores.shape[1])
+    assert_scores_close(scores, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("seed", [31, 32])
+def test_score_cpu_matches_reference(dtype, seed):
+    coll, q, w, positions, offsets, _, _ = score_case(dtype, seed, kpool=2, heads=7, dim=60, pools_per_page=4)
+    out_cols = 30
+    got = torch.full((q.shape[0], out_cols), float("nan"))
+    want = torch.full_like(got, float("nan"))
+    args = (q, w, coll.blocks, coll.lookup_table, positions, offsets, 2, 1)
+    ref.mla_kpool_score(want, *args)
+    cpu.mla_kpool_score(got, *args)
+    assert_scores_close(got, want)
+
+
+def test_score_wider_output_and_out_argument():
+    coll, q, w, positions, offsets, pooled_keys, seq_of_row = score_case(torch.float32, seed=22)
+    holder = torch.full((q.shape[0], 40), float("nan"))
+    out = holder[:, ::2]  # strided out, 20 columns
+    returned = mla_kpool_score(q, w, coll, 1, positions, offsets, kpool=4, out_cols=20, out=out)
+    assert returned is out
+    expected = brute_force_scores(q, w, pooled_keys, seq_of_row, positions.tolist(), 4, 20)
+    assert_scores_close(out.clone(), expected)
+    assert torch.isnan(holder[:, 1::2]).all()
+
+
+def test_score_errors():
+    coll, q, w, positions, offsets, _, _ = score_case(torch.float32, seed=23)
+    call = dict(q=q, head_weights=w, pooled_collection=coll, layer_idx=1, query_positions=positions,
+                input_row_offsets=offsets)
+    with pytest.raises(ValueError, match=r"out_cols: expected >= 11 \(the most pools a query row sees\)"):
+        mla_kpool_score(**call, kpool=4, out_cols=10)
+    with pytest.raises(ValueError, match="q: expected head dim 64"):
+        mla_kpool_score(**{**call, "q": q[..., :32]}, kpool=4)
+    with pytest.raises(ValueError, match="q: expected the pooled cache's dtype"):
+        mla_kpool_score(**{**call, "q": q.to(torch.bfloat16)}, kpool=4)
+    with pytest.raises(ValueError, match=r"head_weights: expected shape \(13, 5\)"):
+        mla_kpool_score(**{**call, "head_weights": w[:, :4]}, kpool=4)
+    with pytest.raises(ValueError, match="query_positions: expected values >= 0"):
+        mla_kpool_score(**{**call, "query_positions": positions - 30}, kpool=4)
+    with pytest.raises(ValueError, match="last offset 12 must equal q rows 13"):
+        mla_kpool_score(**{**call, "input_row_offsets": offsets.clamp_max(12)}, kpool=4)
+    with pytest.raises(ValueError, match="layer_idx: expected < num_layers = 2"):
+        mla_kpool_score(**{**call, "layer_idx": 2}, kpool=4)
+    with pytest.raises(TypeError, match="pooled_collection: expected a PagedKVCacheCollection"):
+        mla_kpool_score(**{**call, "pooled_collection": coll.blocks}, kpool=4)
+
+
+@pytest.mark.parametrize("backend", ["public", "reference", "cpu"])
+def test_score_missing_page_raises_before_writing(backend):
+    coll, q, w, positions, offsets, _, _ = score_case(torch.float32, seed=24, pools_per_page=3)
+    table = coll.lookup_table.clone()
+    table[2, 1] = -1  # sequence 2, pools 3..5, visible to its rows at t >= 15
+    broken = PagedKVCacheCollection(coll.blocks, coll.cache_lengths, table, 10, 20)
+    if backend == "public":
+        with pytest.raises(ValueError, match="sequence 2, position 3: its page is unassigned"):
+            mla_kpool_score(q, w, broken, 1, positions, offsets, kpool=4)
+        return
+    scores = torch.full((q.shape[0], 11), 7.0)
+    kernels = ref if backend == "reference" else cpu
+    with pytest.raises(ValueError, match="sequence 2, position 3"):
+        kernels.mla_kpool_score(scores, q, w, broken.blocks, table, positions, offsets, 4, 1)
+    assert bool((scores == 7.0).all()), "wrote before raising"
+
+
+def test_score_ignores_missing_pages_past_the_visible_pools():
+    coll, q, w, positions, offsets, pooled_keys, seq_of_row = score_case(torch.float32, seed=25)
+    table = coll.lookup_table.clone()
+    table[1, :] = -1  # sequence 1 (3 tokens) sees no pool
+    broken = PagedKVCacheCollection(coll.blocks, coll.cache_lengths, table, 10, 20)
+    scores = mla_kpool_score(q, w, broken, 1, positions, offsets, kpool=4)
+    expected = brute_force_scores(q, w, pooled_keys, seq_of_row, positions.tolist(), 4, scores.shape[1])
+    assert_scores_close(scores, expected)
+
+
+def test_score_from_indexer_steps_equals_score_from_one_shot_keys():
+    kpool, dim, heads = 4, 64, 3
+    gen = torch.Generator().manual_seed(26)
+    lengths = [13, 22]
+    keys = [torch.randn(n, dim, generator=gen).to(torch.bfloat16) for n in lengths]
+    gates = [torch.randn(n, dim, generator=gen).to(torch.bfloat16) for n in lengths]
+    ape = torch.randn(kpool, dim, generator=gen)
+    table = scattered_table([2, 2], 6, gen)
+    blocks = torch.full((6, 1, 1, 16 // kpool, 1, dim), float("nan"), dtype=torch.bfloat16)
+    ring = torch.full((2, 2, kpool, dim), float("nan"), dtype=torch.bfloat16)
+    done = [0, 0]
+    for chunk in ([5, 7], [6, 1], [2, 14]):  # chunks stopping mid-pool
+        cache = torch.tensor(done, dtype=torch.int32)
+        offsets = torch.tensor([0, chunk[0], sum(chunk)], dtype=torch.int32)
+        k = torch.cat([keys[b][done[b]: done[b] + chunk[b]] for b in range(2)])
+        gate = torch.cat([gates[b][done[b]: done[b] + chunk[b]] for b in range(2)])
+        coll = make_pooled_collection(blocks, cache, table, kpool=kpool)
+        kpool_indexer_step(ring, torch.tensor([1, 0]), k, gate, ape, offsets, cache, coll, 0, kpool=kpool)
+        done = [d + n for d, n in zip(done, chunk)]
+    one_shot = [mla_kpool_compress(keys[b], gates[b], ape, torch.tensor([0, lengths[b]]), None,
+                                   torch.tensor([0]), kpool=kpool) for b in range(2)]
+    q = torch.randn(2, heads, dim, generator=gen).to(torch.bfloat16)
+    w = torch.rand(2, heads, generator=gen)
+    positions = torch.tensor([12, 21])
+    coll = make_pooled_collection(blocks, torch.tensor(done), table, kpool=kpool)
+    scores = mla_kpool_score(q, w, coll, 0, positions, torch.tensor([0, 1, 2]), kpool=kpool)
+    expected = brute_force_scores(q, w, one_shot, [0, 1], [12, 21], kpool, scores.shape[1])
+    assert_scores_close(scores, expected)
+
+
+def test_score_op_passes_opcheck():
+    coll, q, w, positions, offsets, _, _ = score_case(torch.float32, seed=27)
+    torch.library.opcheck(
+        torch.ops.sparsekv.mla_kpool_score.default,
+        (torch.empty(q.shape[0], 12), q, w, coll.blocks, coll.lookup_table, positions, offsets, 4, 1),
+    )
+
+
+# ---------------------------------------------------------------------------
+# top-k expansion
+# ---------------------------------------------------------------------------
+def brute_force_topk(scores, positions, kpool, topk, tail):
+    rows, counts = [], []
+    width = topk + kpool - 1
+    for r, t in enumerate(positions):
+        visible = min((t + 1) // kpool, scores.shape[1])
+        ranked = sorted(range(visible), key=lambda p: (-float(scores[r, p]), p))[: topk // kpool]
+        tokens = [p * kpool + m for p in sorted(ranked) for m in range(kpool)]
+        if tail:
+            v = t + 1
+            tokens += list(range(v - v % kpool, v))
+        counts.append(len(tokens))
+        rows.append(tokens + [-1] * (width - len(tokens)))
+    return torch.tensor(rows, dtype=torch.int32), torch.tensor(counts, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("kpool, topk", [(4, 16), (4, 2048), (2, 6), (1, 5), (16, 64)])
+@pytest.mark.parametrize("tail", [True, False])
+def test_expand_topk_matches_brute_force(kpool, topk, tail):
+    gen = torch.Generator().manual_seed(kpool * 1000 + topk)
+    positions = torch.tensor([0, 2, 3, 13, 40, 77, 150, 151, 198])
+    cols = int((positions.max() + 1) // kpool)
+    scores = torch.randn(positions.shape[0], cols, generator=gen)
+    visible = (positions + 1) // kpool
+    scores[torch.arange(cols)[None, :] >= visible[:, None]] = float("-inf")
+    scores[4, :3] = scores[4, 3]  # a tie: the lower pool id wins
+    indices, counts = mla_kpool_expand_topk(scores, positions, kpool=kpool, topk=topk, always_select_tail=tail)
+    want_indices, want_counts = brute_force_topk(scores, positions.tolist(), kpool, topk, tail)
+    assert indices.dtype == torch.int32 and counts.dtype == torch.int32
+    assert torch.equal(indices, want_indices)
+    assert torch.equal(counts, want_counts)
+
+
+def test_expand_topk_from_scores_end_to_end():
+    coll, q, w, positions, offsets, _, _ = score_case(torch.float32, seed=28)
+    scores = mla_kpool_score(q, w, coll, 1, positions, offsets, kpool=4)
+    indices, counts = mla_kpool_expand_topk(scores, positions, kpool=4, topk=8)
+    want_indices, want_counts = brute_force_topk(scores, positions.tolist(), 4, 8, True)
+    assert torch.equal(indices, want_indices) and torch.equal(counts, want_counts)
+    assert indices.shape == (q.shape[0], 8 + 3)
+
+
+# ---------------------------------------------------------------------------
+# pooled-key cache
+# ---------------------------------------------------------------------------
+def test_store_pooled_keys_round_trip_through_scattered_pages():
+    kpool, dim, pools_per_page = 4, 8, 2
+    gen = torch.Generator().manual_seed(29)
+    table = scattered_table([3, 3, 3], 12, gen)
+    blocks = torch.full((12, 1, 1, pools_per_page, 1, dim), float("nan"))
+    # tokens cached: 6 (open pool 1), 8 (aligned), 0; new rows 7, 9, 3
+    cache = torch.tensor([6, 8, 0])
+    closed = torch.randn(3, dim, generator=gen)
+    closed_ids = torch.tensor([1, -1, -1])
+    pool_offsets = torch.tensor([0, 1, 3, 3])  # pools 2 | 2, 3 | none
+    pooled = torch.randn(3, dim, generator=gen)
+    coll = make_pooled_collection(blocks, cache, table, kpool=kpool)
+    assert coll.cache_lengths.tolist() == [1, 2, 0] and coll.page_size == pools_per_page
+    store_pooled_keys(coll, 0, closed, closed_ids, pooled, pool_offsets, cache, kpool=kpool)
+    view = coll.get_key_cache(0)
+    assert torch.equal(view.load(0, torch.tensor([1, 2]))[:, 0], torch.stack([closed[0], pooled[0]]))
+    assert torch.equal(view.load(1, torch.tensor([2, 3]))[:, 0], pooled[1:3])
+    # pool 3 of sequence 1 is row 3 % 2 = 1 of logical page 3 // 2 = 1
+    assert torch.equal(blocks[table[1, 1], 0, 0, 1, 0], pooled[2])
+    assert int((~torch.isnan(blocks[:, 0, 0, :, 0, 0])).sum()) == 4  # nothing else written
+
+
+def test_store_pooled_keys_sentinel_page_and_bad_ids():
+    kpool, dim = 4, 8
+    blocks = torch.full((4, 1, 1, 2, 1, dim), float("nan"))
+    table = torch.tensor([[0, -1]], dtype=torch.int32)
+    coll = make_pooled_collection(blocks, torch.tensor([4]), table, kpool=kpool)
+    pooled = torch.randn(2, dim)
+    args = (torch.zeros(1, dim), torch.tensor([-1]), pooled, torch.tensor([0, 2]), torch.tensor([4]))
+    with pytest.raises(ValueError, match="sequence 0, position 2: its page is unassigned"):
+        store_pooled_keys(coll, 0, *args, kpool=kpool)
+    assert torch.isnan(blocks).all(), "wrote before raising"
+    with pytest.raises(ValueError, match=r"closed_ids: expected floor\(cache_lengths / kpool\) = \[1\]"):
+        store_pooled_keys(coll, 0, torch.zeros(1, dim), torch.tensor([0]), pooled, torch.tensor([0, 2]),
+                          torch.tensor([4]), kpool=kpool)
+    with pytest.raises(ValueError, match=r"pooled: expected 1 rows"):
+        store_pooled_keys(coll, 0, torch.zeros(1, dim), torch.tensor([-1]), pooled, torch.tensor([0, 1]),
+                          torch.tensor([4]), kpool=kpool)
