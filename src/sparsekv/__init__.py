@@ -7,8 +7,21 @@ Triton backend.
 """
 
 from .cache.layout import SENTINEL, UINT32_SENTINEL, PagedKVCache, PagedKVCacheCollection
+from .cache.manager import BatchInputs, CacheGroupSpec, PagedKVCacheManager
+from .cache.page_pool import InsufficientPagesError
 from .numerics import rope_freqs_cis
+from .cache.pooled import kpool_indexer_step, make_pooled_collection, store_pooled_keys
 from .ops.cache import paged_store
+from .ops.kpool import (
+    kpool_pool_row_offsets,
+    mla_kpool_compress,
+    mla_kpool_expand_topk,
+    mla_kpool_ring_close,
+    mla_kpool_score,
+    mla_kpool_seed_tail,
+)
+from .ops.qsa import qsa_block_score, qsa_compress_keys_paged, qsa_select_tokens, qsa_sparse_attention_paged
+from .ops.select import SelectedTokens, select_blocks_expand
 
 __version__ = "0.1.0"
 
@@ -17,6 +30,25 @@ __all__ = [
     "UINT32_SENTINEL",
     "PagedKVCache",
     "PagedKVCacheCollection",
+    "PagedKVCacheManager",
+    "BatchInputs",
+    "CacheGroupSpec",
+    "InsufficientPagesError",
+    "SelectedTokens",
+    "kpool_indexer_step",
+    "kpool_pool_row_offsets",
+    "make_pooled_collection",
+    "mla_kpool_compress",
+    "mla_kpool_expand_topk",
+    "mla_kpool_ring_close",
+    "mla_kpool_score",
+    "mla_kpool_seed_tail",
     "paged_store",
+    "qsa_block_score",
+    "qsa_compress_keys_paged",
+    "qsa_select_tokens",
+    "qsa_sparse_attention_paged",
     "rope_freqs_cis",
+    "select_blocks_expand",
+    "store_pooled_keys",
 ]

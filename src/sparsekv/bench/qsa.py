@@ -1,0 +1,228 @@
+"""QSA benchmark cases at the Qwen4Exp shapes: compress, block score, selection, sparse attention.
+
+Indexer: head dim 128, ratio 4, rotary dim 64, page size 128, one key head,
+sequence ``b`` holding ``keys - b`` raw keys (so all but the first end in a
+partial block), as ``benchmarks/max_peer.py`` builds them. Main attention:
+24 query heads, 2 KV heads, head dim 256, budget 2048 tokens.
+
+Every row times the public op (``SPARSEKV_BACKEND=auto``: the CPU path) and,
+in the same run, its peers: the reference backend (``reference``), a torch
+copy of the same number of bytes (``copy``), dense SDPA over the whole history
+for sparse attention (``sdpa``) and, when a Python with Modular MAX is given,
+MAX's own CPU kernel (``max``, via ``benchmarks/max_peer.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..cache.layout import SENTINEL, PagedKVCacheCollection
+from ..numerics import rope_freqs_cis
+from ..ops.qsa import qsa_block_score, qsa_compress_keys_paged, qsa_select_tokens, qsa_sparse_attention_paged
+from .common import BenchRow, copy_peer, time_call
+
+HEAD_DIM, RATIO, ROTARY_DIM, PAGE_SIZE, THETA, EPS = 128, 4, 64, 128, 1e7, 1e-6
+INDEX_HEADS, ROWS_PER_SEQUENCE, BUDGET = 4, 4, 2048
+Q_HEADS, KV_HEADS, MAIN_HEAD_DIM = 24, 2, 256
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
+MAX_PEER_SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "max_peer.py"
+
+
+@contextlib.contextmanager
+def backend(name: str):
+    """Run the ops with ``SPARSEKV_BACKEND=name`` inside the block."""
+    previous = os.environ.get("SPARSEKV_BACKEND")
+    os.environ["SPARSEKV_BACKEND"] = name
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("SPARSEKV_BACKEND", None)
+        else:
+            os.environ["SPARSEKV_BACKEND"] = previous
+
+
+def _paged(batch: int, tokens: int, planes: int, heads: int, dim: int, dtype: torch.dtype,
+           generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random pages for ``tokens`` per sequence, scattered through a pool with spare pages."""
+    pages_per_seq = -(-tokens // PAGE_SIZE)
+    used = batch * pages_per_seq
+    num_pages = used + used // 8 + 1
+    blocks = torch.randn(num_pages, planes, 1, PAGE_SIZE, heads, dim, generator=generator).to(dtype)
+    table = torch.randperm(num_pages, generator=generator)[:used].reshape(batch, pages_per_seq)
+    table = torch.cat([table, torch.full((batch, 1), SENTINEL)], dim=1).to(torch.int32)
+    return blocks, table
+
+
+def _time_pair(ours, reference, *, slow_repeat: int = 3) -> tuple[float, float]:
+    mine = time_call(ours, repeat=10, min_seconds=0.3)
+    with backend("reference"):
+        ref = time_call(reference, warmup=1, repeat=slow_repeat)
+    return mine, ref
+
+
+def max_peer_ms(max_python: str | None, op: str, batch: int, keys: int, dtype: torch.dtype,
+                threads: int | None = None) -> float | None:
+    """MAX's median time for the same case, or ``None`` (with the reason on stderr) when unavailable."""
+    if not max_python:
+        return None
+    if not MAX_PEER_SCRIPT.exists():
+        print(f"bench_qsa: no MAX column: {MAX_PEER_SCRIPT} is absent", file=sys.stderr)
+        return None
+    command = [max_python, str(MAX_PEER_SCRIPT), "--op", op, "--batch", str(batch), "--keys", str(keys),
+               "--dtype", _DTYPE_NAMES[dtype], "--json"] + (["--threads", str(threads)] if threads else [])
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        print(f"bench_qsa: no MAX column for {op} {keys}: {exc}", file=sys.stderr)
+        return None
+    if done.returncode != 0:
+        why = (done.stderr.strip() or done.stdout.strip()).splitlines()[-1:] or ["no output"]
+        print(f"bench_qsa: no MAX column for {op} {keys}: exit {done.returncode}: {why[0]}", file=sys.stderr)
+        return None
+    try:
+        return float(json.loads(done.stdout.strip().splitlines()[-1])["median_ms"])
+    except (ValueError, KeyError, IndexError) as exc:
+        print(f"bench_qsa: no MAX column for {op} {keys}: unreadable output ({exc})", file=sys.stderr)
+        return None
+
+
+def bench_compress(batch: int, keys: int, dtype: torch.dtype, max_python: str | None,
+                   threads: int | None = None) -> BenchRow:
+    """One decode step that pools every complete block of every sequence."""
+    generator = torch.Generator().manual_seed(0)
+    key_counts = (keys - torch.arange(batch)).to(torch.int32)
+    blocks, table = _paged(batch, keys, 1, 1, HEAD_DIM, dtype, generator)
+    cache = PagedKVCacheCollection(blocks, key_counts - 1, table, max_seq_length=1, max_cache_length=keys)
+    gamma = (0.1 * torch.randn(HEAD_DIM, generator=generator)).to(dtype)
+    freqs = rope_freqs_cis(keys, ROTARY_DIM, THETA)
+    max_blocks = keys // RATIO
+    out = torch.empty(batch * max_blocks, HEAD_DIM, dtype=dtype)
+
+    def call():
+        qsa_compress_keys_paged(gamma, freqs, key_counts, cache, 0, ratio=RATIO, eps=EPS, out=out)
+
+    complete = int((key_counts // RATIO).sum())
+    size = blocks.element_size()
+    nbytes = (complete * RATIO * HEAD_DIM * size + out.numel() * size
+              + complete * ROTARY_DIM * freqs.element_size() + HEAD_DIM * size)
+    ours, ref = _time_pair(call, call)
+    peers = {"reference": ref, "copy": time_call(copy_peer(nbytes), repeat=10, min_seconds=0.3)}
+    max_ms = max_peer_ms(max_python, "compress", batch, keys, dtype, threads)
+    if max_ms is not None:
+        peers["max"] = max_ms
+    return BenchRow("qsa_compress_keys_paged", f"B={batch} keys={keys}-b D=128 R=4 rot=64 page=128",
+                    _DTYPE_NAMES[dtype], "cpu", ours, nbytes, peers)
+
+
+def bench_block_score(batch: int, keys: int, rows_per_seq: int, dtype: torch.dtype,
+                      max_python: str | None, threads: int | None = None) -> BenchRow:
+    """Rows at each sequence's last positions, 4 index heads, against its block keys."""
+    generator = torch.Generator().manual_seed(1)
+    max_blocks = keys // RATIO
+    block_keys = torch.randn(batch * max_blocks, HEAD_DIM, generator=generator).to(dtype)
+    q = torch.randn(batch * rows_per_seq, INDEX_HEADS, HEAD_DIM, generator=generator).to(dtype)
+    positions = torch.cat([torch.arange(keys - b - rows_per_seq, keys - b) for b in range(batch)]).to(torch.int32)
+    offsets = torch.arange(0, batch * rows_per_seq + 1, rows_per_seq, dtype=torch.int32)
+    out = torch.empty(batch * rows_per_seq, max_blocks)
+
+    def call():
+        qsa_block_score(q, block_keys, positions, offsets, ratio=RATIO, score_scale=math.sqrt(HEAD_DIM), out=out)
+
+    visible = min(keys // RATIO, max_blocks)
+    nbytes = q.numel() * q.element_size() + batch * visible * HEAD_DIM * block_keys.element_size() + out.numel() * 4
+    ours, ref = _time_pair(call, call)
+    peers = {"reference": ref, "copy": time_call(copy_peer(nbytes), repeat=10, min_seconds=0.3)}
+    if rows_per_seq == ROWS_PER_SEQUENCE:  # the shape max_peer.py runs
+        max_ms = max_peer_ms(max_python, "block_score", batch, keys, dtype, threads)
+        if max_ms is not None:
+            peers["max"] = max_ms
+    kind = "decode" if rows_per_seq <= ROWS_PER_SEQUENCE else "prefill chunk"
+    return BenchRow("qsa_block_score", f"{kind}: B={batch} rows={rows_per_seq}/seq heads=4 blocks={max_blocks}",
+                    _DTYPE_NAMES[dtype], "cpu", ours, nbytes, peers)
+
+
+def bench_select(batch: int, keys: int) -> BenchRow:
+    generator = torch.Generator().manual_seed(2)
+    rows = batch * ROWS_PER_SEQUENCE
+    scores = torch.randn(rows, keys // RATIO, generator=generator)
+    positions = torch.full((rows,), keys - 1, dtype=torch.int32)
+    offsets = torch.arange(0, rows + 1, ROWS_PER_SEQUENCE, dtype=torch.int32)
+
+    def call():
+        qsa_select_tokens(scores, positions, offsets, ratio=RATIO, budget=BUDGET)
+
+    nbytes = scores.numel() * 4 + rows * (BUDGET + RATIO - 1) * 4
+    ours, ref = _time_pair(call, call)
+    return BenchRow("qsa_select_tokens", f"rows={rows} blocks={keys // RATIO} budget={BUDGET}", "fp32", "cpu",
+                    ours, nbytes, {"reference": ref, "copy": time_call(copy_peer(nbytes), repeat=10)})
+
+
+def bench_sparse_attention(batch: int, cached: int, dtype: torch.dtype) -> BenchRow:
+    """Decode: one new token per sequence after ``cached`` tokens, ``BUDGET + R - 1`` selected entries."""
+    generator = torch.Generator().manual_seed(3)
+    total = cached + 1
+    blocks, table = _paged(batch, total, 2, KV_HEADS, MAIN_HEAD_DIM, dtype, generator)
+    cache = PagedKVCacheCollection(blocks, torch.full((batch,), cached, dtype=torch.int32), table,
+                                   max_seq_length=1, max_cache_length=cached)
+    q = torch.randn(batch, Q_HEADS, MAIN_HEAD_DIM, generator=generator).to(dtype)
+    offsets = torch.arange(batch + 1, dtype=torch.int32)
+    scores = torch.randn(batch, total // RATIO, generator=generator)
+    positions = torch.full((batch,), cached, dtype=torch.int32)
+    indices, counts = qsa_select_tokens(scores, positions, offsets, ratio=RATIO, budget=BUDGET)
+    scale = MAIN_HEAD_DIM ** -0.5
+
+    def call():
+        qsa_sparse_attention_paged(q, cache, 0, indices, counts, offsets, scale=scale)
+
+    # the dense peer: SDPA over every cached token, K/V already contiguous (its best case)
+    pages = table[:, : -(-total // PAGE_SIZE)].long()
+    dense_k = blocks[pages, 0, 0].reshape(batch, -1, KV_HEADS, MAIN_HEAD_DIM)[:, :total].transpose(1, 2).contiguous()
+    dense_v = blocks[pages, 1, 0].reshape(batch, -1, KV_HEADS, MAIN_HEAD_DIM)[:, :total].transpose(1, 2).contiguous()
+    q_dense = q[:, :, None, :]
+
+    def dense():
+        F.scaled_dot_product_attention(q_dense, dense_k, dense_v, scale=scale, enable_gqa=True)
+
+    size = blocks.element_size()
+    nbytes = int(counts.sum()) * KV_HEADS * MAIN_HEAD_DIM * 2 * size + 2 * q.numel() * size
+    ours, ref = _time_pair(call, call)
+    peers = {"reference": ref, "sdpa": time_call(dense, repeat=5), "copy": time_call(copy_peer(nbytes), repeat=10)}
+    return BenchRow("qsa_sparse_attention_paged",
+                    f"decode B={batch} cached={cached} budget={BUDGET} q24/kv2 D=256", _DTYPE_NAMES[dtype], "cpu",
+                    ours, nbytes, peers)
+
+
+def run(quick: bool = False, max_python: str | None = None, threads: int | None = None) -> list[BenchRow]:
+    """All QSA rows; ``quick`` keeps one small shape per op (seconds, for smoke tests).
+
+    ``threads`` sets torch's and numba's thread counts (and MAX's) for the whole run.
+    """
+    if threads:
+        import numba
+
+        torch.set_num_threads(threads)
+        numba.set_num_threads(threads)
+    dtypes = [torch.bfloat16] if quick else [torch.bfloat16, torch.float32]
+    key_sizes = [1024] if quick else [8192, 32768]
+    rows: list[BenchRow] = []
+    for dtype in dtypes:
+        for keys in key_sizes:
+            rows.append(bench_compress(4, keys, dtype, max_python, threads))
+    for dtype in dtypes:
+        for keys in key_sizes:
+            rows.append(bench_block_score(4, keys, ROWS_PER_SEQUENCE, dtype, max_python, threads))
+        rows.append(bench_block_score(1, key_sizes[0], 64 if quick else 512, dtype, None))
+    rows.append(bench_select(4, key_sizes[-1]))
+    for dtype in dtypes:
+        rows.append(bench_sparse_attention(4 if not quick else 1, 4096 if quick else 32768, dtype))
+    return rows

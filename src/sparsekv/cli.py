@@ -1,0 +1,163 @@
+"""The ``sparsekv`` command: ``sparsekv demo`` and ``sparsekv bench``.
+
+Exit status: 0 on success; 1 when a demo check fails; 2 for a usage,
+config or checkpoint error (the message names the problem).
+
+Examples::
+
+    sparsekv demo                                 # embedded model, 8 requests x 2048 tokens, report
+    sparsekv demo --requests 2 --context 64 --json
+    sparsekv demo --checkpoint ckpt/ --plot decode.png
+    sparsekv bench --quick --only qsa,kpool --json bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from collections.abc import Sequence
+
+BENCH_FAMILIES = ("qsa", "kpool", "cache", "manager")
+
+
+def _matplotlib_missing(command: str) -> bool:
+    """True (after printing why) when ``--plot`` cannot work because matplotlib is not installed."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print(f"sparsekv {command}: error: --plot needs matplotlib, which is not installed; install it with "
+              "`pip install matplotlib` (or `pip install sparsekv[bench]`)", file=sys.stderr)
+        return True
+    return False
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import DemoError, DemoOptions, run_demo
+    from .demo_report import format_report, write_plot
+
+    if args.plot and _matplotlib_missing("demo"):
+        return 2
+    options = DemoOptions(device=args.device, dtype=args.dtype, configs=args.config or [],
+                          checkpoints=args.checkpoint or [], requests=args.requests, context=args.context,
+                          decode_tokens=args.decode_tokens, shared_prefix=args.shared_prefix,
+                          step_tokens=args.step_tokens, page_size=args.page_size, seed=args.seed, sweep=bool(args.plot or args.sweep), sweep_context=args.sweep_context,
+                          progress=not args.no_progress)
+    try:
+        report = run_demo(options)
+    except DemoError as err:
+        print(f"sparsekv demo: error: {err}", file=sys.stderr)
+        return 2
+    if args.plot:
+        write_plot(report["decode_sweep"], args.plot,
+                   f"QSA decode step, {report['workload']['device']} {report['workload']['dtype']}")
+        report["plot"] = args.plot
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_report(report))
+        if args.plot:
+            print(f"  plot written to {args.plot}")
+    return 0 if report["checks_passed"] else 1
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from .bench.common import format_table, rows_to_json
+
+    families = BENCH_FAMILIES if not args.only else tuple(f.strip() for f in args.only.split(",") if f.strip())
+    unknown = [f for f in families if f not in BENCH_FAMILIES]
+    if unknown or not families:
+        print(f"sparsekv bench: error: --only: unknown benchmark {', '.join(unknown) or '(empty)'}; "
+              f"choose from {', '.join(BENCH_FAMILIES)}", file=sys.stderr)
+        return 2
+    if args.plot and _matplotlib_missing("bench"):
+        return 2
+    rows = []
+    for family in families:
+        try:
+            module = importlib.import_module(f"sparsekv.bench.{family}")
+        except ModuleNotFoundError as err:
+            print(f"sparsekv bench: error: benchmark module sparsekv.bench.{family} is missing ({err})",
+                  file=sys.stderr)
+            return 2
+        print(f"running {family} benchmarks{' (quick)' if args.quick else ''}...", file=sys.stderr)
+        rows += module.run(quick=args.quick)
+    print(format_table(rows))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as handle:
+            handle.write(rows_to_json(rows))
+            handle.write("\n")
+    if args.plot:
+        _plot_bench(rows, args.plot)
+    return 0
+
+
+def _plot_bench(rows, path: str) -> None:
+    """One horizontal bar per measured row: achieved GB/s (label: op, shape, dtype, backend)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r.op} {r.shape} {r.dtype} {r.backend}" for r in rows]
+    figure, axes = plt.subplots(figsize=(9, 0.35 * len(rows) + 1.5))
+    axes.barh(range(len(rows)), [r.gb_per_s for r in rows])
+    axes.set_yticks(range(len(rows)), labels, fontsize=7)
+    axes.invert_yaxis()
+    axes.set_xlabel("GB/s (bytes the op must move / median time)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sparsekv", description="Paged KV cache and sparse-attention indexers.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    demo = commands.add_parser("demo", help="serve a small workload with QSA and k-pool indexers, then report",
+                               description="Serve requests that share a system prompt through the paged cache "
+                                           "manager (chunked prefill, decode, prefix caching) on a Qwen4Exp QSA "
+                                           "slice and a GLM-5-Next k-pool indexer; check every step against dense "
+                                           "oracles and print a report. Exits 1 if a check fails.")
+    demo.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
+    demo.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 (GPU default) or float16")
+    demo.add_argument("--config", action="append", metavar="CONFIG_JSON",
+                      help="a config.json (model_type qwen4_exp or glm5_next) replacing that slice's config "
+                           "(seeded weights); may be given twice")
+    demo.add_argument("--checkpoint", action="append", metavar="DIR",
+                      help="a folder with config.json and *.safetensors whose weights replace that slice's; "
+                           "may be given twice")
+    demo.add_argument("--requests", type=int, default=8, help="requests to serve (default 8)")
+    demo.add_argument("--context", type=int, default=2048, help="prompt tokens per request (default 2048)")
+    demo.add_argument("--decode-tokens", type=int, default=32, help="decode steps per request (default 32)")
+    demo.add_argument("--shared-prefix", type=int, default=None, metavar="TOKENS",
+                      help="system prompt tokens every request shares (default: 3/4 of the context, whole pages)")
+    demo.add_argument("--step-tokens", type=int, default=512, help="token budget per batch step (default 512)")
+    demo.add_argument("--page-size", type=int, default=64, help="tokens per page (default 64)")
+    demo.add_argument("--seed", type=int, default=0, help="seed of the weights and the prompts")
+    demo.add_argument("--sweep", action="store_true", help="also time decode steps against context (sparse/dense)")
+    demo.add_argument("--sweep-context", type=int, default=None, metavar="TOKENS",
+                      help="longest context of the decode sweep (default: max(--context, 8192))")
+    demo.add_argument("--plot", metavar="FILE.png", help="plot the decode sweep (needs matplotlib)")
+    demo.add_argument("--json", action="store_true", help="print the report as JSON instead of text")
+    demo.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    demo.set_defaults(handler=_demo)
+
+    bench = commands.add_parser("bench", help="benchmark the ops and the cache manager",
+                                description="Run the benchmark modules and print one table.")
+    bench.add_argument("--quick", action="store_true", help="small shapes, few repeats")
+    bench.add_argument("--only", metavar="LIST", help=f"comma-separated subset of {','.join(BENCH_FAMILIES)}")
+    bench.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    bench.add_argument("--plot", metavar="FILE.png", help="bar chart of GB/s per row (needs matplotlib)")
+    bench.set_defaults(handler=_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.handler(args)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

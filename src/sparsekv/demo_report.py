@@ -1,0 +1,246 @@
+"""The ``sparsekv demo`` report (a JSON-ready dict and its text form), the decode sweep and its plot."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from .demo import shared_prefix_tokens
+
+STAGE_LABELS = {
+    "embed": "embedding lookup",
+    "qsa.project": "QSA q/k/v/gate + indexer projections",
+    "qsa.norm_rope": "q/k norms + RoPE",
+    "cache.store": "paged store (K, V, raw indexer keys)",
+    "qsa.compress": "qsa_compress_keys_paged",
+    "qsa.score": "qsa_block_score",
+    "qsa.select": "qsa_select_tokens",
+    "qsa.attention": "qsa_sparse_attention_paged",
+    "qsa.o_proj": "o_proj",
+    "kpool.project": "k-pool projections (q latent, q, k, gate, weights)",
+    "kpool.pool_store": "k-pool ring close/compress/seed tail + store",
+    "kpool.score": "mla_kpool_score",
+    "kpool.select": "mla_kpool_expand_topk",
+    "next_token": "next token (tied embedding argmax)",
+    "manager": "cache manager (claim/allocate/prepare/step/release)",
+}
+
+
+def build_report(server, options, sources: list[str], dtype: torch.dtype, wall_seconds: float,
+                 sweep: list[dict] | None) -> dict:
+    """Everything the demo measured and checked, as plain JSON-ready values."""
+    q, g = server.qwen.config, server.glm.config
+    t = server.totals
+    metrics = server.manager.metrics()
+    attention_usage = metrics.groups["attention"]
+    stage_total = sum(server.timer.totals.values())
+    serving_seconds = t.prefill_seconds + t.decode_seconds
+    breakdown = [
+        {"stage": stage, "label": STAGE_LABELS.get(stage, stage), "seconds": seconds,
+         "calls": server.timer.calls[stage], "share": seconds / stage_total if stage_total else 0.0}
+        for stage, seconds in sorted(server.timer.totals.items(), key=lambda item: -item[1])
+    ]
+    prompt_tokens = metrics.prefix_query_tokens
+    report = {
+        "model": {
+            "qwen4_exp": {"qsa_layers": list(q.qsa_layers), "hidden_size": q.hidden_size,
+                          "heads": q.num_attention_heads, "kv_heads": q.num_key_value_heads,
+                          "head_dim": q.head_dim, "rotary_dim": q.rotary_dim,
+                          "indexer_heads": q.indexer_n_heads, "indexer_head_dim": q.indexer_head_dim,
+                          "ratio": q.indexer_compress_ratio, "budget": q.indexer_budget},
+            "glm5_next": {"index_layers": list(g.index_layers), "hidden_size": g.hidden_size,
+                          "index_heads": g.index_n_heads, "index_head_dim": g.index_head_dim,
+                          "kpool": g.index_kpool, "topk": g.index_topk, "mode": g.index_kpool_mode},
+            "sources": sources,
+        },
+        "workload": {"device": str(server.device), "dtype": str(dtype).replace("torch.", ""),
+                     "requests": options.requests, "context": options.context,
+                     "shared_prefix": shared_prefix_tokens(options),
+                     "decode_tokens": options.decode_tokens, "step_tokens": options.step_tokens,
+                     "page_size": options.page_size, "seed": options.seed},
+        "tokens": {"prompt": prompt_tokens, "prefix_hit": metrics.prefix_hit_tokens,
+                   "prefill_computed": t.prefill_tokens, "decode": t.decode_tokens,
+                   "processed": t.prefill_tokens + t.decode_tokens},
+        "throughput": {
+            "prefill_tokens_per_s": t.prefill_tokens / t.prefill_seconds if t.prefill_seconds else 0.0,
+            "decode_tokens_per_s": t.decode_tokens / t.decode_seconds if t.decode_seconds else 0.0,
+            "serving_seconds": serving_seconds, "check_seconds": server.check_seconds,
+            "wall_seconds": wall_seconds, "steps": t.steps},
+        "pages": {"peak_used": t.peak_pages, "total": metrics.num_pages,
+                  "bytes_per_page": server.manager.bytes_per_page,
+                  "attention_bytes_per_page": attention_usage.page_bytes},
+        "prefix_cache": {"hit_rate": metrics.prefix_hit_rate, "hit_tokens": metrics.prefix_hit_tokens,
+                         "query_tokens": metrics.prefix_query_tokens,
+                         "requests_hit": metrics.prefix_hit_requests,
+                         "requests": metrics.prefix_query_requests},
+        "sparse_reads": {
+            "kv_bytes_sparse": t.sparse_bytes, "kv_bytes_dense": t.dense_bytes,
+            "kv_fraction": t.sparse_bytes / t.dense_bytes if t.dense_bytes else 0.0,
+            "decode_kv_fraction": t.decode_sparse_bytes / t.decode_dense_bytes if t.decode_dense_bytes else 0.0,
+            "indexer_bytes": t.indexer_bytes,
+            "indexer_fraction": t.indexer_bytes / t.dense_bytes if t.dense_bytes else 0.0},
+        "time_breakdown": breakdown,
+        "checks": [r.to_dict() for r in server.checks.results.values()],
+        "checks_passed": server.checks.all_passed,
+    }
+    if sweep is not None:
+        report["decode_sweep"] = sweep
+    return report
+
+
+def _fmt_bytes(value: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
+
+
+def format_report(report: dict) -> str:
+    """The report as text (what ``sparsekv demo`` prints)."""
+    m, w, tok = report["model"], report["workload"], report["tokens"]
+    q, g = m["qwen4_exp"], m["glm5_next"]
+    thr, pages, prefix, reads = report["throughput"], report["pages"], report["prefix_cache"], report["sparse_reads"]
+    lines = [
+        "sparsekv demo",
+        f"  model      Qwen4Exp QSA layers {q['qsa_layers']}: {q['heads']} q / {q['kv_heads']} kv heads x "
+        f"{q['head_dim']} (RoPE {q['rotary_dim']}), indexer {q['indexer_heads']} x {q['indexer_head_dim']}, "
+        f"R={q['ratio']}, budget {q['budget']}",
+        f"             GLM-5-Next k-pool indexer layers {g['index_layers']}: {g['index_heads']} x "
+        f"{g['index_head_dim']}, kpool {g['kpool']} ({g['mode']}), topk {g['topk']}",
+        *[f"             {source}" for source in m["sources"]],
+        f"  workload   {w['requests']} requests x {w['context']} prompt tokens ({w['shared_prefix']} shared) + "
+        f"{w['decode_tokens']} decode tokens; {w['step_tokens']} tokens/step, page size {w['page_size']}; "
+        f"{w['device']} {w['dtype']}",
+        "",
+        f"  tokens     prompt {tok['prompt']} = {tok['prefix_hit']} prefix-cache hits + {tok['prefill_computed']} "
+        f"computed; decode {tok['decode']}; processed {tok['processed']}",
+        f"  throughput prefill {thr['prefill_tokens_per_s']:.0f} tok/s, decode {thr['decode_tokens_per_s']:.1f} tok/s "
+        f"({thr['steps']} steps, {thr['serving_seconds']:.1f} s serving + {thr['check_seconds']:.1f} s checks, "
+        f"{thr['wall_seconds']:.1f} s wall)",
+        f"  pages      peak {pages['peak_used']} / {pages['total']} used ({_fmt_bytes(pages['bytes_per_page'])} "
+        f"per page id over all cache groups)",
+        f"  prefix     hit rate {prefix['hit_rate']:.1%} ({prefix['hit_tokens']} of {prefix['query_tokens']} prompt "
+        f"tokens; {prefix['requests_hit']} of {prefix['requests']} requests hit)",
+        f"  sparsity   sparse attention read {reads['kv_fraction']:.1%} of the dense KV bytes "
+        f"({_fmt_bytes(reads['kv_bytes_sparse'])} of {_fmt_bytes(reads['kv_bytes_dense'])}); decode rows "
+        f"{reads['decode_kv_fraction']:.1%}; indexer reads add {reads['indexer_fraction']:.1%}",
+        "",
+        "  time by op (serving; checks excluded)",
+    ]
+    for entry in report["time_breakdown"]:
+        lines.append(f"    {entry['label']:<52} {entry['seconds'] * 1e3:9.1f} ms  {entry['share']:6.1%}  "
+                     f"({entry['calls']} calls)")
+    if "decode_sweep" in report:
+        lines += ["", "  decode step time (QSA layers, one request) against context",
+                  "    context   sparse ms   dense ms"]
+        for point in report["decode_sweep"]:
+            lines.append(f"    {point['context']:7d}   {point['sparse_ms']:9.2f}   {point['dense_ms']:8.2f}")
+    lines += ["", "  checks"]
+    for check in report["checks"]:
+        mark = "PASS" if check["passed"] else "FAIL"
+        detail = f"{check['comparisons']} comparisons, {check['items']} items"
+        if check["max_error"]:
+            detail += f", max error {check['max_error']:.2g}"
+        if check["failures"]:
+            detail += f", {check['failures']} failed: {check['first_failure']}"
+        elif not check["comparisons"]:
+            detail += " (nothing was compared)"
+        lines.append(f"    [{mark}] {check['name']} ({detail})")
+    lines.append("  all checks passed" if report["checks_passed"] else "  SOME CHECKS FAILED")
+    return "\n".join(lines)
+
+
+def _median_ms(fn, repeats: int = 5) -> float:
+    fn()  # warm-up
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
+def sweep_limit(options) -> int:
+    """The longest context the decode sweep reaches."""
+    return options.sweep_context if options.sweep_context is not None else max(options.context, 8192)
+
+
+def sweep_contexts(context: int) -> list[int]:
+    points, c = [], 128
+    while c < context:
+        points.append(c)
+        c *= 2
+    return points + [context]
+
+
+def run_decode_sweep(server, vocab: int) -> list[dict]:
+    """Decode step time of the QSA layers for one request, sparse vs dense, at growing contexts.
+
+    A fresh request (its own prefix-cache namespace) is prefilled chunk by chunk;
+    at each context ``c`` one decode token is timed in both modes without
+    committing it (the next chunk overwrites position ``c``). Contexts run up
+    to ``options.sweep_context`` (default ``max(context, 8192)``).
+    """
+    mgr, qwen, device = server.manager, server.qwen, server.device
+    context = sweep_limit(server.options)
+    generator = torch.Generator().manual_seed(server.options.seed + 99)
+    prompt = torch.randint(0, vocab, (context + 1,), generator=generator).tolist()
+    rid = "decode-sweep"
+    mgr.claim(rid, prompt, namespace="decode-sweep")
+    computed, points = 0, []
+    try:
+        for target in sweep_contexts(context):
+            while computed < target:
+                n = min(server.options.step_tokens, target - computed)
+                mgr.allocate(rid, n)
+                batch = mgr.prepare([rid], [n])
+                with torch.no_grad():
+                    qwen(torch.tensor(prompt[computed:computed + n], device=device),
+                         input_row_offsets=batch.input_row_offsets, kv_cache=batch.collection("attention"),
+                         index_cache=batch.collection("qsa_indexer"))
+                mgr.step(rid, prompt[computed:computed + n])
+                computed += n
+            mgr.allocate(rid, 1)
+            batch = mgr.prepare([rid], [1])
+            token = torch.tensor(prompt[computed:computed + 1], device=device)
+
+            def decode(mode: str) -> None:
+                with torch.no_grad():
+                    qwen(token, input_row_offsets=batch.input_row_offsets, kv_cache=batch.collection("attention"),
+                         index_cache=batch.collection("qsa_indexer"), mode=mode)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+
+            points.append({"context": target, "sparse_ms": _median_ms(lambda: decode("sparse")),
+                           "dense_ms": _median_ms(lambda: decode("dense"))})
+    finally:
+        mgr.release(rid)
+    return points
+
+
+def write_plot(points: list[dict], path: str, title: str) -> None:
+    """Decode step time against context, sparse vs dense, as a PNG (needs matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    contexts = [p["context"] for p in points]
+    figure, axes = plt.subplots(figsize=(6, 4))
+    axes.plot(contexts, [p["sparse_ms"] for p in points], marker="o", label="sparse (QSA)")
+    axes.plot(contexts, [p["dense_ms"] for p in points], marker="s", label="dense")
+    axes.set_xscale("log", base=2)
+    axes.set_xlabel("context length (tokens)")
+    axes.set_ylabel("decode step time (ms)")
+    axes.set_title(title)
+    axes.grid(True, alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+__all__ = ["build_report", "format_report", "run_decode_sweep", "sweep_contexts", "write_plot"]

@@ -1,0 +1,520 @@
+"""Fast CPU QSA kernels (SPEC 2.2, 2.3, 2.5): numba, same signatures as the reference.
+
+What each kernel is made of, and why (measured with ``benchmarks/bench_qsa.py``):
+
+* compress: one numba pass (``prange`` over chunks of output rows) reads each
+  block's ``R`` raw rows straight from the pages, sums them in token order,
+  applies RMSNorm and RoPE on a scratch row and writes the block key once. The
+  reference gathers the keys into a new tensor and makes about ten float32
+  temporaries of them. The RMSNorm sums of squares of 8 blocks run interleaved
+  so that their (ordered) adds do not wait on one another.
+* block score: one task per (sequence, chunk of block keys). The chunk's keys
+  are widened and transposed once, then every query head of the sequence runs
+  over them with the inner loop over keys, which vectorises even for a decode's
+  few rows. Each dot product sums in channel order, so a row's scores do not
+  depend on which other rows share the call (SPEC 2.6); a BLAS GEMM does not
+  promise that (``torch.mm`` rounds a row differently as the row count
+  changes). Without fused multiply-adds this is about as fast as the
+  reference's per-row BLAS products; the gain is in the many-row case.
+* sparse attention: one task per (row, KV head) gathers the selected tokens
+  through the page table (keys transposed a chunk at a time, as in block
+  score) and computes the whole query group's logits, softmax and ``P @ V`` in
+  float32. Nothing is materialised; dense SDPA would read the whole history.
+
+bf16 and fp16 tensors enter numba as their raw 16-bit patterns (``uint16``
+for bf16, ``int16`` for fp16; numba has neither type) and are widened and
+rounded to nearest-even with integer arithmetic, exactly as torch casts. With
+``fastmath=False`` LLVM neither reorders sums nor fuses multiply-adds, so
+compress equals the reference bit for bit. Inner loops index contiguous slices
+with ``range`` indices: numba's negative-index handling of computed indices
+would stop LLVM from vectorising them.
+
+Validation (missing pages, ``-1`` inside a counted region, short ``freqs_cis``)
+runs before a kernel starts, so a kernel never reads through an invalid page.
+It runs as numba loops rather than torch ops, and small inputs run on one
+thread (``threads_for``): torch's and numba's thread pools otherwise fight for
+the cores around every small call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numba
+import numpy as np
+import torch
+from numba import prange, types
+from numba.extending import overload, register_jitable
+
+_JIT = {"parallel": True, "cache": True, "fastmath": False, "nogil": True}
+_KEYS_PER_TASK = 128  # block keys per block-score task: enough work per task, little scratch
+_ROWS_PER_TASK = 64  # block-key rows per compress task
+_ROWS_PER_GROUP = 8  # block keys whose RMSNorm sums run interleaved
+_TOKENS_PER_CHUNK = 64  # selected tokens whose keys sparse attention transposes at once
+_PARALLEL_MIN_WORK = 1 << 22  # below this many multiply-adds / elements, one thread
+
+
+# ---- 16-bit floats as bits --------------------------------------------------------
+
+# Bit arithmetic runs on int64 (numba widens mixed uint32 arithmetic to 64 bits
+# anyway); a result is cast to uint32 right before it is reinterpreted as float32.
+
+@register_jitable
+def _bf16_to_f32(bits):
+    return np.uint32(np.int64(np.uint16(bits)) << 16).view(np.float32)
+
+
+@register_jitable
+def _f32_to_bf16(value):
+    bits = np.int64(np.float32(value).view(np.uint32))
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return np.uint16(0x7FC0 if (bits & 0x7FFFFFFF) > 0x7F800000 else rounded)  # NaN as torch writes it
+
+
+@register_jitable
+def _f16_to_f32(bits):
+    h = np.int64(np.uint16(bits))
+    sign = (h & 0x8000) << 16
+    exponent = (h >> 10) & 0x1F
+    mantissa = h & 0x3FF
+    if exponent == 0:  # zero or subnormal: mantissa * 2**-24, exact in float32
+        magnitude = np.float32(mantissa) * np.float32(5.9604644775390625e-08)
+        return -magnitude if sign else magnitude
+    if exponent == 31:
+        return np.uint32(sign | 0x7F800000 | (mantissa << 13)).view(np.float32)
+    return np.uint32(sign | ((exponent + 112) << 23) | (mantissa << 13)).view(np.float32)
+
+
+@register_jitable
+def _f32_to_f16(value):
+    bits = np.int64(np.float32(value).view(np.uint32))
+    sign = (bits >> 16) & 0x8000
+    magnitude = bits & 0x7FFFFFFF
+    if magnitude > 0x7F800000:
+        return np.int16(np.uint16(sign | 0x7E00))  # NaN
+    if magnitude >= 0x47800000:  # >= 65536 (or inf): inf
+        return np.int16(np.uint16(sign | 0x7C00))
+    if magnitude < 0x38800000:  # below 2**-14: subnormal half, round(|x| * 2**24) to even
+        scaled = np.int64(np.rint(abs(np.float32(value)) * np.float32(16777216.0)))
+        return np.int16(np.uint16(sign | scaled))
+    mantissa = magnitude & 0x7FFFFF
+    half = (((magnitude >> 23) - 112) << 10) | (mantissa >> 13)
+    rest = mantissa & 0x1FFF
+    if rest > 0x1000 or (rest == 0x1000 and (half & 1)):
+        half += 1  # a carry into the exponent is right, up to inf
+    return np.int16(np.uint16(sign | half))
+
+
+def _widen(x):
+    """Element of a bf16 (uint16 bits), fp16 (int16 bits) or float array -> float32."""
+    raise NotImplementedError
+
+
+@overload(_widen)
+def _widen_overload(x):
+    if x == types.uint16:
+        return lambda x: _bf16_to_f32(x)
+    if x == types.int16:
+        return lambda x: _f16_to_f32(x)
+    if isinstance(x, types.Float):
+        return lambda x: np.float32(x)
+    return None
+
+
+def _narrow(value, like):
+    """float32 -> the element type of ``like`` (an array), rounded to nearest even."""
+    raise NotImplementedError
+
+
+@overload(_narrow)
+def _narrow_overload(value, like):
+    if like.dtype == types.uint16:
+        return lambda value, like: _f32_to_bf16(value)
+    if like.dtype == types.int16:
+        return lambda value, like: _f32_to_f16(value)
+    if like.dtype == types.float32:
+        return lambda value, like: np.float32(value)
+    return None
+
+
+def as_numba(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of ``t``: bf16 as uint16 bits, fp16 as int16 bits, other dtypes as they are."""
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.uint16).numpy()
+    if t.dtype == torch.float16:
+        return t.view(torch.int16).numpy()
+    return t.numpy()
+
+
+# ---- compress -------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def threads_for(work: int):
+    """Run numba's parallel loops on one thread when ``work`` (multiply-adds or elements) is small.
+
+    Starting a parallel region costs more than a small kernel, and numba's
+    worker threads then spin while torch's own threads want the same cores.
+    """
+    if work >= _PARALLEL_MIN_WORK or numba.get_num_threads() == 1:
+        yield
+        return
+    previous = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        yield
+    finally:
+        numba.set_num_threads(previous)
+
+
+def _flat_plane(blocks: torch.Tensor, plane: int, layer: int) -> tuple[np.ndarray, int, int]:
+    """``blocks``' memory as one flat array, its page stride, and where (plane, layer) starts in a page.
+
+    Element (page, row, head, channel) of that plane and layer is
+    ``flat[page*page_stride + base + (row*heads + head)*D + channel]``. A flat
+    array lets LLVM vectorise the channel loops, which it cannot do through a
+    strided 6-d view whose innermost stride is only known at run time.
+    """
+    pages, kv, layers, page_size, heads, dim = blocks.shape
+    span = (pages - 1) * blocks.stride(0) + kv * layers * page_size * heads * dim
+    flat = blocks.as_strided((span,), (1,))
+    return as_numba(flat), blocks.stride(0), (plane * layers + layer) * page_size * heads * dim
+
+
+@numba.njit(cache=True, nogil=True)
+def _first_missing_page(table, num_pages, page_size, token_counts):
+    """(sequence, first position of the page) of the first page that tokens ``0 .. token_counts[b]-1``
+    need and the table does not hold validly; (-1, -1) if every page is there."""
+    for b in range(token_counts.shape[0]):
+        for logical in range((token_counts[b] + page_size - 1) // page_size):
+            if logical >= table.shape[1] or table[b, logical] < 0 or table[b, logical] >= num_pages:
+                return b, logical * page_size
+    return -1, -1
+
+
+def _page_problem(lookup_table: torch.Tensor, num_pages: int, page_size: int, b: int, t: int) -> str:
+    """Why position ``t`` of sequence ``b`` has no page (the wording of ``resolve_pages``)."""
+    if t < 0:
+        return "a negative position (-1 marks an unused entry)"
+    if t // page_size >= lookup_table.shape[1]:
+        return f"logical page {t // page_size} is beyond the lookup table's {lookup_table.shape[1]} columns"
+    page = int(lookup_table[b, t // page_size])
+    return "its page is unassigned (sentinel)" if page < 0 else f"its page {page} is outside [0, {num_pages})"
+
+
+@numba.njit(**_JIT)
+def _compress_kernel(out, keys, page_stride, base, page_size, table, num_blocks, gamma, freqs, ratio, eps):
+    """``out [B*max_blocks, D]``; ``keys`` the flat cache (see ``_flat_plane``, one head);
+    ``freqs [positions, rotary/2, 2]`` float32 (cos, sin) pairs; ``num_blocks [B]`` pooled blocks per sequence."""
+    rows, dim = out.shape
+    max_blocks = rows // num_blocks.shape[0]
+    half = freqs.shape[1]
+    # cos/sin of every block start, rounded to the keys' dtype once: every sequence reads this
+    # small table in order, instead of every ratio-th row of the whole freqs_cis table
+    rotations = np.empty((min(max_blocks, np.max(num_blocks)), half, 2), np.float32)
+    for j in prange(rotations.shape[0]):
+        for i in range(half):
+            rotations[j, i, 0] = _widen(_narrow(freqs[j * ratio, i, 0], out))
+            rotations[j, i, 1] = _widen(_narrow(freqs[j * ratio, i, 1], out))
+    tasks = (rows + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK
+    for task in prange(tasks):
+        acc = np.empty((_ROWS_PER_GROUP, dim), np.float32)
+        squares = np.empty(_ROWS_PER_GROUP, np.float32)
+        task_end = min((task + 1) * _ROWS_PER_TASK, rows)
+        for group_start in range(task * _ROWS_PER_TASK, task_end, _ROWS_PER_GROUP):
+            group = min(_ROWS_PER_GROUP, task_end - group_start)
+            for k in range(group):  # 1. mean of the R raw keys, in token order, rounded
+                row = group_start + k
+                b, j = row // max_blocks, row % max_blocks
+                block = acc[k]
+                if j >= num_blocks[b]:
+                    block[:] = 0.0
+                    continue
+                for i in range(ratio):
+                    token = j * ratio + i
+                    start = table[b, token // page_size] * page_stride + base + (token % page_size) * dim
+                    raw = keys[start : start + dim]  # a slice: indices from range() vectorise, offsets do not
+                    if i == 0:
+                        for d in range(dim):
+                            block[d] = _widen(raw[d])
+                    else:
+                        for d in range(dim):
+                            block[d] = block[d] + _widen(raw[d])
+                for d in range(dim):
+                    block[d] = _widen(_narrow(block[d] / np.float32(ratio), out))
+            # 2. sums of squares in channel order; the group's blocks are independent
+            #    chains, interleaved so that the adds do not wait on one another
+            squares[:] = 0.0
+            for d in range(dim):
+                for k in range(group):
+                    squares[k] += acc[k, d] * acc[k, d]
+            for k in range(group):  # 3. RMSNorm, RoPE, store
+                row = group_start + k
+                b, j = row // max_blocks, row % max_blocks
+                out_row, block = out[row], acc[k]
+                if j >= num_blocks[b]:
+                    for d in range(dim):
+                        out_row[d] = _narrow(np.float32(0.0), out)
+                    continue
+                inv_rms = np.float32(1.0) / np.sqrt(squares[k] / np.float32(dim) + np.float32(eps))
+                for d in range(dim):
+                    block[d] = _widen(_narrow(block[d] * inv_rms * (np.float32(1.0) + gamma[d]), out))
+                pairs = rotations[j]  # [half, 2]: (cos, sin) of each frequency, rounded
+                low, high = block[:half], block[half : 2 * half]  # slices, again for vectorisation
+                for i in range(half):
+                    cos, sin = pairs[i, 0], pairs[i, 1]
+                    x, y = low[i], high[i]
+                    low[i] = x * cos - y * sin
+                    high[i] = y * cos + x * sin
+                for d in range(dim):
+                    out_row[d] = _narrow(block[d], out)
+
+
+def qsa_compress_keys_paged(block_keys, gamma, freqs_cis, key_counts, blocks, lookup_table, layer, ratio, eps):
+    """Same contract as :func:`sparsekv.kernels.reference.qsa.qsa_compress_keys_paged`."""
+    batch = key_counts.shape[0]
+    max_blocks = block_keys.shape[0] // batch
+    num_blocks = torch.clamp(key_counts.to(torch.int64) // ratio, min=0, max=max_blocks)
+    b, t = _first_missing_page(lookup_table.numpy(), blocks.shape[0], blocks.shape[3], (num_blocks * ratio).numpy())
+    if b >= 0:
+        raise ValueError(f"paged cache: sequence {b}, position {t}: "
+                         f"{_page_problem(lookup_table, blocks.shape[0], blocks.shape[3], b, t)}")
+    needed_positions = int(num_blocks.max()) * ratio - ratio + 1 if batch else 0
+    if needed_positions > freqs_cis.shape[0]:
+        b = int(num_blocks.argmax())
+        raise ValueError(f"freqs_cis: sequence {b} needs position {needed_positions - 1} but the table has "
+                         f"{freqs_cis.shape[0]} rows")
+    if freqs_cis.dtype == torch.float64:  # round once, from float64 straight to the keys' dtype
+        freqs_cis = freqs_cis.to(block_keys.dtype)
+    freqs = freqs_cis[: max(needed_positions, 1)].float().contiguous()
+    freqs = freqs.view(freqs.shape[0], freqs.shape[1] // 2, 2)
+    out = block_keys if block_keys.is_contiguous() else torch.empty_like(block_keys, memory_format=torch.contiguous_format)
+    keys, page_stride, base = _flat_plane(blocks, 0, layer)
+    with threads_for(block_keys.numel() * ratio):
+        _compress_kernel(as_numba(out), keys, page_stride, base, blocks.shape[3], lookup_table.numpy(),
+                         num_blocks.to(torch.int32).numpy(), gamma.float().contiguous().numpy(), freqs.numpy(),
+                         ratio, float(eps))
+    if out is not block_keys:
+        block_keys.copy_(out)
+
+
+# ---- block score --------------------------------------------------------------------
+
+@numba.njit(cache=True, nogil=True)
+def _sequence_of_rows(offsets):
+    """``[total_q]`` sequence id of every row of ``[B+1]`` row offsets (a loop, not a torch op:
+    torch's parallel ops would fight numba's threads for the cores on small inputs)."""
+    batch = offsets.shape[0] - 1
+    seq_of_row = np.empty(offsets[batch], np.int64)
+    for b in range(batch):
+        for r in range(offsets[b], offsets[b + 1]):
+            seq_of_row[r] = b
+    return seq_of_row
+
+
+@numba.njit(**_JIT)
+def _block_score_kernel(scores, q, keys, offsets, positions, ratio, max_blocks, scale):
+    """``scores [total_q, out_cols]``; ``q [total_q, heads, D]``; ``keys [B*max_blocks, D]``.
+
+    Task = (sequence, chunk of its block keys): each key is widened once and
+    multiplied against all of the sequence's query heads, laid out as
+    ``q_t [D, total_q*heads]`` float32 so that the inner loop runs over heads.
+    """
+    total_q, heads, dim = q.shape
+    batch = offsets.shape[0] - 1
+    usable_cols = min(scores.shape[1], max_blocks)
+    visible = np.empty(total_q, np.int64)
+    num_keys = np.zeros(batch, np.int64)  # keys a sequence needs: its rows' largest visibility
+    for b in range(batch):
+        for r in range(offsets[b], offsets[b + 1]):
+            visible[r] = min(max((positions[r] + 1) // ratio, 0), usable_cols)
+            num_keys[b] = max(num_keys[b], visible[r])
+    task_starts = np.zeros(batch + 1, np.int64)
+    for b in range(batch):
+        task_starts[b + 1] = task_starts[b] + (num_keys[b] + _KEYS_PER_TASK - 1) // _KEYS_PER_TASK
+    # queries widened and transposed per sequence: sequence b's block is [D, rows_b*heads],
+    # contiguous, starting at q_t[offsets[b]*heads*D]
+    q_t = np.empty(total_q * heads * dim, np.float32)
+    for r in prange(total_q):
+        b = np.searchsorted(offsets, r, side="right") - 1
+        lanes = (offsets[b + 1] - offsets[b]) * heads
+        block = q_t[offsets[b] * heads * dim : offsets[b + 1] * heads * dim].reshape((dim, lanes))
+        for h in range(heads):
+            q_row, lane = q[r, h], (r - offsets[b]) * heads + h
+            for d in range(dim):
+                block[d, lane] = _widen(q_row[d])
+        score_row = scores[r]
+        for g in range(visible[r], scores.shape[1]):
+            score_row[g] = -np.inf
+    for task in prange(task_starts[batch]):
+        b = np.searchsorted(task_starts, task, side="right") - 1
+        first_row, end_row = offsets[b], offsets[b + 1]
+        lanes = (end_row - first_row) * heads
+        q_block = q_t[first_row * heads * dim : end_row * heads * dim].reshape((dim, lanes))
+        keys_t = np.empty((dim, _KEYS_PER_TASK), np.float32)  # this chunk's keys, widened and transposed
+        dots = np.empty((lanes, _KEYS_PER_TASK), np.float32)
+        g0 = (task - task_starts[b]) * _KEYS_PER_TASK
+        chunk = min(_KEYS_PER_TASK, num_keys[b] - g0)
+        for i in range(chunk):
+            key_src = keys[b * max_blocks + g0 + i]
+            for d in range(dim):
+                keys_t[d, i] = _widen(key_src[d])
+        # the inner loop runs over the chunk's keys (vectorises even for a decode's few rows);
+        # each dot product still sums in channel order d = 0..D-1
+        for lane in range(lanes):
+            lane_dots = dots[lane]
+            lane_dots[:] = 0.0
+            for d in range(dim):
+                q_value = q_block[d, lane]
+                for i in range(chunk):
+                    lane_dots[i] += q_value * keys_t[d, i]
+        for r in range(first_row, end_row):
+            lane0 = (r - first_row) * heads
+            score_row = scores[r]
+            for i in range(min(chunk, visible[r] - g0)):
+                total = np.float32(0.0)
+                for h in range(heads):
+                    total += max(dots[lane0 + h, i], np.float32(0.0))
+                score_row[g0 + i] = total / np.float32(scale)
+
+
+def qsa_block_score(scores, q, block_keys, query_positions, input_row_offsets, ratio, score_scale):
+    """Same contract as :func:`sparsekv.kernels.reference.qsa.qsa_block_score`."""
+    batch = input_row_offsets.shape[0] - 1
+    max_blocks = block_keys.shape[0] // batch
+    out = scores if scores.is_contiguous() else torch.empty_like(scores, memory_format=torch.contiguous_format)
+    with threads_for(q.shape[0] * max_blocks * q.shape[1] * q.shape[2]):
+        _block_score_kernel(out.numpy(), as_numba(q.contiguous()), as_numba(block_keys.contiguous()),
+                            input_row_offsets.numpy(), query_positions.numpy(), ratio, max_blocks, float(score_scale))
+    if out is not scores:
+        scores.copy_(out)
+
+
+# ---- sparse attention -------------------------------------------------------------
+
+@numba.njit(**_JIT)
+def _sparse_attention_kernel(out, lse, q, cache, page_stride, key_base, value_base, page_size, kv_heads, table,
+                             indices, counts, seq_of_row, scale, gate, has_gate):
+    """One task per (row, KV head). ``cache`` is the flat main cache (``_flat_plane``);
+    ``q, out [total_q, q_heads, D]``; ``lse [total_q, q_heads]`` float32."""
+    total_q, q_heads, dim = q.shape
+    group = q_heads // kv_heads
+    for task in prange(total_q * kv_heads):
+        r, kvh = task // kv_heads, task % kv_heads
+        h0 = kvh * group
+        count = min(counts[r], indices.shape[1])
+        if count <= 0:
+            for h in range(h0, h0 + group):
+                lse[r, h] = -np.inf
+                out_row = out[r, h]
+                for d in range(dim):
+                    out_row[d] = _narrow(np.float32(0.0), out)
+            continue
+        b = seq_of_row[r]
+        q_group = np.empty((group, dim), np.float32)
+        for h in range(group):
+            q_row = q[r, h0 + h]
+            for d in range(dim):
+                q_group[h, d] = _widen(q_row[d])
+        # logits [group, count], a chunk of tokens at a time: the chunk's keys are widened and
+        # transposed so that the inner loop runs over tokens (vectorises); every logit still
+        # sums over channels in order d = 0..D-1
+        logits = np.zeros((group, count), np.float32)
+        keys_t = np.empty((dim, _TOKENS_PER_CHUNK), np.float32)
+        for n0 in range(0, count, _TOKENS_PER_CHUNK):
+            chunk = min(_TOKENS_PER_CHUNK, count - n0)
+            for i in range(chunk):
+                position = indices[r, n0 + i]
+                start = (table[b, position // page_size] * page_stride + key_base
+                         + ((position % page_size) * kv_heads + kvh) * dim)
+                key = cache[start : start + dim]
+                for d in range(dim):
+                    keys_t[d, i] = _widen(key[d])
+            for h in range(group):
+                head_logits = logits[h, n0 : n0 + chunk]
+                for d in range(dim):
+                    q_value = q_group[h, d]
+                    for i in range(chunk):
+                        head_logits[i] += q_value * keys_t[d, i]
+        row_max = np.empty(group, np.float32)
+        for h in range(group):
+            head_logits = logits[h]
+            for n in range(count):
+                head_logits[n] *= np.float32(scale)
+            row_max[h] = head_logits.max()
+        denom = np.zeros(group, np.float32)
+        acc = np.zeros((group, dim), np.float32)
+        value_row = np.empty(dim, np.float32)
+        for n in range(count):
+            position = indices[r, n]
+            start = (table[b, position // page_size] * page_stride + value_base
+                     + ((position % page_size) * kv_heads + kvh) * dim)
+            value = cache[start : start + dim]
+            for d in range(dim):
+                value_row[d] = _widen(value[d])
+            for h in range(group):
+                weight = np.exp(logits[h, n] - row_max[h])
+                denom[h] += weight
+                acc_row = acc[h]
+                for d in range(dim):
+                    acc_row[d] += weight * value_row[d]
+        for h in range(group):
+            lse[r, h0 + h] = row_max[h] + np.log(denom[h])
+            out_row, acc_row = out[r, h0 + h], acc[h]
+            if has_gate:
+                gate_row = gate[r, h0 + h]
+                for d in range(dim):
+                    sigmoid = np.float32(1.0) / (np.float32(1.0) + np.exp(-_widen(gate_row[d])))
+                    out_row[d] = _narrow(acc_row[d] / denom[h] * sigmoid, out)
+            else:
+                for d in range(dim):
+                    out_row[d] = _narrow(acc_row[d] / denom[h], out)
+
+
+@numba.njit(cache=True, nogil=True)
+def _first_bad_entry(table, num_pages, page_size, indices, counts, seq_of_row):
+    """(row, entry) of the first counted position that is negative or has no valid page; (-1, -1) if none."""
+    for r in range(indices.shape[0]):
+        b = seq_of_row[r]
+        for i in range(min(counts[r], indices.shape[1])):
+            position = indices[r, i]
+            if position < 0 or position // page_size >= table.shape[1]:
+                return r, i
+            page = table[b, position // page_size]
+            if page < 0 or page >= num_pages:
+                return r, i
+    return -1, -1
+
+
+def _check_counted_entries(lookup_table, num_pages, page_size, indices, counts, seq_of_row):
+    """``ValueError`` naming row and entry for a negative or unpaged position inside a counted region."""
+    r, i = _first_bad_entry(lookup_table.numpy(), num_pages, page_size, indices.numpy(), counts.numpy(), seq_of_row)
+    if r < 0:
+        return
+    t, b = int(indices[r, i]), int(seq_of_row[r])
+    raise ValueError(f"indices: row {r}, entry {i} inside the counted region (counts[{r}] = {int(counts[r])}): "
+                     f"sequence {b}, position {t}: {_page_problem(lookup_table, num_pages, page_size, b, t)}")
+
+
+def qsa_sparse_attention_paged(out, lse, q, blocks, lookup_table, indices, counts, input_row_offsets, layer, scale,
+                               gate):
+    """Same contract as :func:`sparsekv.kernels.reference.qsa.qsa_sparse_attention_paged`."""
+    total_q = q.shape[0]
+    if total_q == 0:
+        return
+    seq_of_row = _sequence_of_rows(input_row_offsets.numpy())
+    _check_counted_entries(lookup_table, blocks.shape[0], blocks.shape[3], indices, counts, seq_of_row)
+    target = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
+    lse_target = lse if lse.is_contiguous() else torch.empty_like(lse, memory_format=torch.contiguous_format)
+    gate_bits = as_numba(gate.contiguous()) if gate is not None else as_numba(q[:0])
+    cache, page_stride, key_base = _flat_plane(blocks, 0, layer)
+    value_base = _flat_plane(blocks, 1, layer)[2]
+    work = int(counts.clamp(min=0).sum()) * q.shape[1] * q.shape[2] * 2
+    with threads_for(work):
+        _sparse_attention_kernel(as_numba(target), lse_target.numpy(), as_numba(q.contiguous()), cache, page_stride,
+                                 key_base, value_base, blocks.shape[3], blocks.shape[4], lookup_table.numpy(),
+                                 indices.numpy(), counts.numpy(), seq_of_row, float(scale), gate_bits,
+                                 gate is not None)
+    if target is not out:
+        out.copy_(target)
+    if lse_target is not lse:
+        lse.copy_(lse_target)

@@ -1,0 +1,201 @@
+"""Triton QSA kernels (SPEC 2.2, 2.3, 2.5), same functions and signatures as ``kernels/reference/qsa.py``.
+
+Differences from the reference, all about invalid input on the device (the
+reference raises; here nothing may synchronise with the host):
+
+* a missing page (sentinel or outside ``[0, num_pages)``) reads as absent:
+  zeros for raw keys, a skipped entry for attention;
+* a ``-1`` or out-of-range position inside the counted region of an index
+  row is skipped; a row whose every counted entry is skipped outputs zeros
+  and ``lse = -inf``;
+* a missing ``freqs_cis`` row reads as ``cos = sin = 0``.
+
+On CPU tensors (the interpreter) and with ``SPARSEKV_DEBUG=1`` each op first
+runs the reference's host-side checks and raises the same ``ValueError``.
+
+Rounding follows the reference's points exactly: every fp32 division and
+square root that feeds a cast is correctly rounded (``div_rn``, ``sqrt_rn``),
+floating-point contraction is disabled for the compress kernel, and bf16
+casts round to nearest even on every backend (``round_to``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..reference.qsa import check_needed_pages
+from . import _common
+from ._attention import qsa_sparse_attention_paged
+from ._common import (
+    TL_DTYPES,
+    lookup_page,
+    next_pow2,
+    page_stride_of,
+    round_to,
+    unit_stride,
+)
+from ._score import launch_score
+
+__all__ = ["qsa_block_score", "qsa_compress_keys_paged", "qsa_sparse_attention_paged"]
+
+
+# ---------------------------------------------------------------------------
+# compress (SPEC 2.2)
+# ---------------------------------------------------------------------------
+@triton.jit
+def _channel_sum_sq(x):
+    return tl.sum(x * x, axis=1)
+
+
+@triton.jit
+def _compress_kernel(
+    out_ptr, gamma_ptr, freqs_ptr, key_counts_ptr, blocks_ptr, lookup_ptr,
+    max_blocks, num_pages, max_pages, lookup_stride, page_stride, layer_offset, freq_rows, freqs_stride,
+    out_stride, eps,
+    RATIO: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    ROW_WIDTH: tl.constexpr, DTYPE: tl.constexpr,
+    BJ: tl.constexpr, BH: tl.constexpr, BP: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    blocks_j = tl.program_id(1) * BJ + tl.arange(0, BJ)
+    num_blocks = tl.minimum(tl.maximum(tl.load(key_counts_ptr + seq), 0) // RATIO, max_blocks)
+    j_ok = blocks_j < num_blocks
+
+    # Channels split into the two rotated halves and the pass-through rest,
+    # so the NeoX partner of channel i (i + HALF) sits at the same tile column.
+    half_ch = tl.arange(0, BH)
+    half_ok = half_ch < HALF
+    pass_ch = 2 * HALF + tl.arange(0, BP)
+    pass_ok = pass_ch < HEAD_DIM
+
+    # 1. mean of the block's R raw keys, summed in token order in fp32.
+    for i in tl.static_range(RATIO):
+        page, page_row, valid = lookup_page(lookup_ptr, lookup_stride, seq, blocks_j * RATIO + i, max_pages,
+                                            num_pages, PAGE_SIZE)
+        valid = valid & j_ok
+        base = (page * page_stride + layer_offset + page_row.to(tl.int64) * ROW_WIDTH)[:, None]
+        lo = tl.load(blocks_ptr + base + half_ch[None, :], mask=valid[:, None] & half_ok[None, :], other=0.0)
+        hi = tl.load(blocks_ptr + base + HALF + half_ch[None, :], mask=valid[:, None] & half_ok[None, :],
+                     other=0.0)
+        rest = tl.load(blocks_ptr + base + pass_ch[None, :], mask=valid[:, None] & pass_ok[None, :], other=0.0)
+        if i == 0:
+            sum_lo, sum_hi, sum_rest = lo.to(tl.float32), hi.to(tl.float32), rest.to(tl.float32)
+        else:
+            sum_lo += lo.to(tl.float32)
+            sum_hi += hi.to(tl.float32)
+            sum_rest += rest.to(tl.float32)
+    mean_lo = round_to(tl.div_rn(sum_lo, tl.zeros_like(sum_lo) + RATIO), DTYPE).to(tl.float32)
+    mean_hi = round_to(tl.div_rn(sum_hi, tl.zeros_like(sum_hi) + RATIO), DTYPE).to(tl.float32)
+    mean_rest = round_to(tl.div_rn(sum_rest, tl.zeros_like(sum_rest) + RATIO), DTYPE).to(tl.float32)
+
+    # 2. zero-centred RMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + gamma).
+    square_sum = _channel_sum_sq(mean_lo) + _channel_sum_sq(mean_hi) + _channel_sum_sq(mean_rest)
+    mean_square = tl.div_rn(square_sum, tl.zeros_like(square_sum) + HEAD_DIM)
+    inv_rms = tl.div_rn(tl.zeros_like(mean_square) + 1.0, tl.sqrt_rn(mean_square + eps))[:, None]
+    g_lo = 1.0 + tl.load(gamma_ptr + half_ch, mask=half_ok, other=0.0).to(tl.float32)
+    g_hi = 1.0 + tl.load(gamma_ptr + HALF + half_ch, mask=half_ok, other=0.0).to(tl.float32)
+    g_rest = 1.0 + tl.load(gamma_ptr + pass_ch, mask=pass_ok, other=0.0).to(tl.float32)
+    x_lo = round_to(mean_lo * inv_rms * g_lo[None, :], DTYPE).to(tl.float32)
+    x_hi = round_to(mean_hi * inv_rms * g_hi[None, :], DTYPE).to(tl.float32)
+    x_rest = round_to(mean_rest * inv_rms * g_rest[None, :], DTYPE)
+
+    # 3. NeoX RoPE at the block's first token; cos/sin rounded to the key dtype.
+    freq_row = blocks_j * RATIO
+    freq_ok = (j_ok & (freq_row < freq_rows))[:, None] & half_ok[None, :]
+    freq_at = freqs_ptr + freq_row.to(tl.int64)[:, None] * freqs_stride + 2 * half_ch[None, :]
+    cos = round_to(tl.load(freq_at, mask=freq_ok, other=0.0).to(tl.float32), DTYPE).to(tl.float32)
+    sin = round_to(tl.load(freq_at + 1, mask=freq_ok, other=0.0).to(tl.float32), DTYPE).to(tl.float32)
+    y_lo = round_to(x_lo * cos - x_hi * sin, DTYPE)
+    y_hi = round_to(x_hi * cos + x_lo * sin, DTYPE)
+
+    # 4. store; blocks past the sequence's complete blocks are zero rows.
+    keep = j_ok[:, None]
+    out_at = out_ptr + (seq * max_blocks + blocks_j).to(tl.int64)[:, None] * out_stride
+    store_ok = (blocks_j < max_blocks)[:, None]
+    tl.store(out_at + half_ch[None, :], tl.where(keep, y_lo, 0.0), mask=store_ok & half_ok[None, :])
+    tl.store(out_at + HALF + half_ch[None, :], tl.where(keep, y_hi, 0.0), mask=store_ok & half_ok[None, :])
+    tl.store(out_at + pass_ch[None, :], tl.where(keep, x_rest, 0.0), mask=store_ok & pass_ok[None, :])
+
+
+def qsa_compress_keys_paged(
+    block_keys: torch.Tensor,
+    gamma: torch.Tensor,
+    freqs_cis: torch.Tensor,
+    key_counts: torch.Tensor,
+    blocks: torch.Tensor,
+    lookup_table: torch.Tensor,
+    layer: int,
+    ratio: int,
+    eps: float,
+) -> None:
+    """Pool every complete ``ratio``-token block into one normed, rotated key (see the reference).
+
+    ``block_keys [B*max_blocks, D]``, one program per (sequence, ``BJ`` blocks);
+    every row is written (zeros past a sequence's complete blocks). Example:
+    ``key_counts = [9, 3]``, ``ratio = 4``, 2 rows per sequence: rows 0, 1 pool
+    tokens 0..3 and 4..7, rows 2, 3 are zero.
+    """
+    batch = key_counts.shape[0]
+    if batch == 0 or block_keys.shape[0] == 0:
+        return
+    max_blocks = block_keys.shape[0] // batch
+    if max_blocks == 0:
+        return
+    head_dim = block_keys.shape[1]
+    rotary_dim = freqs_cis.shape[1]
+    _, _, _, page_size, num_heads, _ = blocks.shape
+    if _common.host_checks(block_keys.device):
+        needed = torch.clamp(key_counts.to(torch.int64) // ratio, max=max_blocks)
+        last_position = (int(needed.max()) - 1) * ratio
+        if last_position >= freqs_cis.shape[0]:
+            raise ValueError(f"freqs_cis: position {last_position} is needed but the table has "
+                             f"{freqs_cis.shape[0]} rows")
+        check_needed_pages(lookup_table, blocks.shape[0], page_size, needed * ratio)
+    if block_keys.stride(1) != 1:
+        packed = torch.empty(block_keys.shape, dtype=block_keys.dtype, device=block_keys.device)
+        qsa_compress_keys_paged(packed, gamma, freqs_cis, key_counts, blocks, lookup_table, layer, ratio, eps)
+        block_keys.copy_(packed)
+        return
+    gamma, freqs_cis = gamma.contiguous(), unit_stride(freqs_cis)
+    key_counts, lookup_table = unit_stride(key_counts), unit_stride(lookup_table)
+    half = rotary_dim // 2
+    block_j = max(1, min(32, 4096 // next_pow2(head_dim)))
+    grid = (batch, triton.cdiv(max_blocks, block_j))
+    row_width = num_heads * head_dim
+    _compress_kernel[grid](
+        block_keys, gamma, freqs_cis, key_counts, blocks, lookup_table,
+        max_blocks, blocks.shape[0], lookup_table.shape[1], lookup_table.stride(0), page_stride_of(blocks),
+        layer * page_size * row_width, freqs_cis.shape[0], freqs_cis.stride(0),
+        block_keys.stride(0), float(eps),
+        RATIO=ratio, HEAD_DIM=head_dim, HALF=half, PAGE_SIZE=page_size, ROW_WIDTH=row_width,
+        DTYPE=TL_DTYPES[block_keys.dtype],
+        BJ=block_j, BH=next_pow2(half), BP=next_pow2(head_dim - 2 * half),
+        enable_fp_fusion=False,  # keep each product rounded like the reference
+    )
+
+
+# ---------------------------------------------------------------------------
+# block score (SPEC 2.3)
+# ---------------------------------------------------------------------------
+def qsa_block_score(
+    scores: torch.Tensor,
+    q: torch.Tensor,
+    block_keys: torch.Tensor,
+    query_positions: torch.Tensor,
+    input_row_offsets: torch.Tensor,
+    ratio: int,
+    score_scale: float,
+) -> None:
+    """``scores[r, g] = sum_h relu(q[r, h] . block_keys[b*max_blocks + g]) / score_scale`` (see the reference).
+
+    Fused per (row tile of one sequence, 64 blocks): ReLU per head, head sum,
+    division, block-causal mask, ``-inf`` beyond ``max_blocks``.
+    """
+    batch = input_row_offsets.shape[0] - 1
+    if batch <= 0:
+        return
+    max_blocks = block_keys.shape[0] // batch
+    launch_score(scores, q, block_keys, query_positions, input_row_offsets, ratio,
+                 min(max_blocks, scores.shape[1]), keys_per_seq=max_blocks, score_scale=score_scale)

@@ -1,0 +1,60 @@
+"""Model layers with the checkpoints' weight names, and their config/checkpoint loading.
+
+* :class:`QSAAttention` / :class:`QSAIndexer` (Qwen4Exp full-attention layers, SPEC 2),
+  stacked by :class:`Qwen4ExpSlice`;
+* :class:`KPoolIndexer` (GLM-5-Next k-pool indexer, SPEC 3), with
+  :class:`KPoolIndexerLayer` and :class:`Glm5NextIndexerSlice`;
+* :func:`load_config` (``config.json``), :class:`CheckpointReader` and
+  :func:`load_module_weights` / :func:`load_slice_weights` (safetensors by weight name).
+"""
+
+from .checkpoint import (
+    CheckpointReader,
+    load_module_weights,
+    load_slice_weights,
+    module_state,
+    open_checkpoint,
+    save_checkpoint,
+    slice_state,
+)
+from .config import Glm5NextConfig, ModelConfig, Qwen4ExpConfig, config_from_dict, load_config, save_config
+from .kpool import Glm5NextIndexerSlice, KPoolIndexer, KPoolIndexerLayer, KPoolResult, RMSNorm
+from .qsa import (
+    QSAAttention,
+    QSAIndexer,
+    QSAResult,
+    Qwen4ExpSlice,
+    RotaryTable,
+    ZeroCentredRMSNorm,
+    batch_positions,
+    dense_causal_attention,
+)
+
+__all__ = [
+    "CheckpointReader",
+    "Glm5NextConfig",
+    "Glm5NextIndexerSlice",
+    "KPoolIndexer",
+    "KPoolIndexerLayer",
+    "KPoolResult",
+    "ModelConfig",
+    "QSAAttention",
+    "QSAIndexer",
+    "QSAResult",
+    "Qwen4ExpConfig",
+    "Qwen4ExpSlice",
+    "RMSNorm",
+    "RotaryTable",
+    "ZeroCentredRMSNorm",
+    "batch_positions",
+    "config_from_dict",
+    "dense_causal_attention",
+    "load_config",
+    "load_module_weights",
+    "load_slice_weights",
+    "module_state",
+    "open_checkpoint",
+    "save_checkpoint",
+    "save_config",
+    "slice_state",
+]

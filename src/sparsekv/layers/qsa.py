@@ -1,0 +1,365 @@
+"""Qwen4Exp full-attention layer with its QSA indexer, on paged caches (SPEC 2).
+
+Weight names (checkpoint prefix ``model.layers.N.self_attn.``)::
+
+    q_proj.weight        [num_heads * 2 * head_dim, hidden]   query and output gate
+    k_proj.weight        [kv_heads * head_dim, hidden]
+    v_proj.weight        [kv_heads * head_dim, hidden]
+    o_proj.weight        [hidden, num_heads * head_dim]
+    q_norm.weight        [head_dim]     zero-centred RMSNorm, per head
+    k_norm.weight        [head_dim]
+    indexer.index_qk_proj.weight  [(indexer_n_heads + 1) * indexer_head_dim, hidden]
+    indexer.q_layernorm.weight    [indexer_head_dim]
+    indexer.k_layernorm.weight    [indexer_head_dim]   (the ``gamma`` of the compress op)
+
+(``*_proj.bias`` too when ``attention_bias`` is true.)
+
+Choices where the SPEC is silent:
+
+* Gated attention as in Qwen3-Next: ``q_proj`` yields ``[T, heads, 2*head_dim]``
+  per head, split into the query (first ``head_dim`` channels) and an
+  element-wise output gate (last ``head_dim``); the attention output is
+  multiplied by ``sigmoid(gate)`` before ``o_proj``.
+* Main-attention q/k norms are zero-centred RMSNorm (``x * rsqrt(mean x^2 + eps) * (1 + w)``)
+  with ``rms_norm_eps``, applied per head before RoPE; RoPE is NeoX over the
+  first ``rotary_dim = head_dim * partial_rotary_factor`` channels.
+* The indexer uses the same RoPE table (``rotary_dim``, ``rope_theta``) for its
+  queries (at position ``t``) and its block keys (at the block's first token).
+* Softmax scale ``head_dim ** -0.5``; block-score divisor ``sqrt(indexer_head_dim)``.
+
+One call (SPEC 2.6): project -> store raw indexer keys and main K/V ->
+compress every complete block -> score -> select -> sparse attention -> o_proj.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from ..cache.layout import PagedKVCacheCollection, ragged_rows
+from ..numerics import apply_rope_neox, rms_norm_zero_centred, rope_freqs_cis
+from ..ops.qsa import qsa_block_score, qsa_compress_keys_paged, qsa_select_tokens, qsa_sparse_attention_paged
+from .config import Qwen4ExpConfig
+
+#: ``timer(stage_name)`` returns a context manager timing that stage (see the demo's ``StageTimer``).
+StageTimerLike = Callable[[str], contextlib.AbstractContextManager]
+
+
+def no_timer(_stage: str) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
+
+
+def batch_positions(input_row_offsets: torch.Tensor, cache_lengths: torch.Tensor) -> torch.Tensor:
+    """Position ``t`` of every row of a ragged batch: ``cache_lengths[b] + i``, int32 ``[T]``.
+
+    Example: offsets ``[0, 2, 3]``, cache lengths ``[5, 0]`` give ``[5, 6, 0]``.
+    """
+    seq_ids, local = ragged_rows(input_row_offsets)
+    return (cache_lengths.to(torch.int64)[seq_ids] + local).to(torch.int32)
+
+
+class RotaryTable:
+    """A ``freqs_cis`` table (``sparsekv.rope_freqs_cis``) grown on demand by doubling."""
+
+    def __init__(self, rotary_dim: int, theta: float, device: torch.device | str | None = None) -> None:
+        self.rotary_dim = rotary_dim
+        self.theta = theta
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self._table = rope_freqs_cis(0, rotary_dim, theta, device=self.device)
+
+    def table(self, num_positions: int) -> torch.Tensor:
+        """``[>= num_positions, rotary_dim]`` float32 rows."""
+        if self._table.shape[0] < num_positions:
+            size = max(1024, self._table.shape[0])
+            while size < num_positions:
+                size *= 2
+            self._table = rope_freqs_cis(size, self.rotary_dim, self.theta, device=self.device)
+        return self._table
+
+
+def _rope_in_place(x: torch.Tensor, freqs: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    """``apply_rope_neox`` over ``x [T, heads, D]``, rotating only the first ``rotary_dim`` channels in place.
+
+    The channels past ``rotary_dim`` pass through unchanged either way; touching
+    only the rotated ones saves copying the whole head (256 channels, 64 rotated).
+    """
+    x[..., :rotary_dim] = apply_rope_neox(x[..., :rotary_dim], freqs[:, None, :], rotary_dim)
+    return x
+
+
+class ZeroCentredRMSNorm(nn.Module):
+    """``y = x * rsqrt(mean(x^2) + eps) * (1 + weight)`` over the last dim (fp32 math, cast); weight starts at 0."""
+
+    def __init__(self, dim: int, eps: float, *, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm_zero_centred(x, self.weight, self.eps)
+
+
+def _linear(inputs: int, outputs: int, bias: bool, dtype: torch.dtype | None, device) -> nn.Linear:
+    layer = nn.Linear(inputs, outputs, bias=bias, dtype=dtype, device=device)
+    layer.requires_grad_(False)
+    return layer
+
+
+class QSAIndexer(nn.Module):
+    """The weight-light indexer of a QSA layer: picks, per query, the blocks the attention reads.
+
+    Args:
+        config: the model config (``indexer_*`` keys, ``rms_norm_eps``, RoPE).
+        dtype, device: of the weights (and of the indexer cache it writes).
+    """
+
+    def __init__(self, config: Qwen4ExpConfig, *, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.n_heads = config.indexer_n_heads
+        self.head_dim = config.indexer_head_dim
+        self.ratio = config.indexer_compress_ratio
+        self.budget = config.indexer_budget
+        self.eps = config.rms_norm_eps
+        self.rotary_dim = config.rotary_dim
+        self.index_qk_proj = _linear(config.hidden_size, (self.n_heads + 1) * self.head_dim, False, dtype, device)
+        self.q_layernorm = ZeroCentredRMSNorm(self.head_dim, self.eps, dtype=dtype, device=device)
+        self.k_layernorm = ZeroCentredRMSNorm(self.head_dim, self.eps, dtype=dtype, device=device)
+
+    def project(self, hidden_states: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """SPEC 2.1: ``(index_q [T, n_heads, D]`` normed and rotated, ``raw_keys [T, 1, D])``.
+
+        ``freqs``: ``[T, rotary_dim]`` rows of the RoPE table at each row's position.
+        """
+        fused = self.index_qk_proj(hidden_states)
+        split = self.n_heads * self.head_dim
+        q = fused[:, :split].reshape(-1, self.n_heads, self.head_dim)
+        raw_keys = fused[:, split:].reshape(-1, 1, self.head_dim).contiguous()
+        q = apply_rope_neox(self.q_layernorm(q), freqs[:, None, :], self.rotary_dim)
+        return q, raw_keys
+
+    def select(self, index_q: torch.Tensor, index_cache: PagedKVCacheCollection, cache_layer: int,
+               positions: torch.Tensor, input_row_offsets: torch.Tensor, freqs_cis: torch.Tensor,
+               timer: StageTimerLike = no_timer) -> tuple[torch.Tensor, torch.Tensor]:
+        """Compress -> score -> select (SPEC 2.2-2.4); this call's raw keys must be stored already.
+
+        Returns ``(indices [T, budget + R - 1] int32, counts [T] int32)``.
+        ``max_blocks`` is sized from the collection's ``max_cache_length +
+        max_seq_length`` (no device read).
+        """
+        offsets = input_row_offsets.to(torch.int64)
+        key_counts = index_cache.cache_lengths.to(torch.int64) + (offsets[1:] - offsets[:-1])
+        max_blocks = (index_cache.max_cache_length + index_cache.max_seq_length) // self.ratio
+        with timer("qsa.compress"):
+            block_keys = qsa_compress_keys_paged(
+                self.k_layernorm.weight, freqs_cis, key_counts, index_cache, cache_layer,
+                ratio=self.ratio, eps=self.eps, max_blocks=max_blocks)
+        with timer("qsa.score"):
+            scores = qsa_block_score(index_q, block_keys, positions, input_row_offsets, ratio=self.ratio,
+                                     score_scale=math.sqrt(self.head_dim))
+        with timer("qsa.select"):
+            indices, counts = qsa_select_tokens(scores, positions, input_row_offsets, ratio=self.ratio,
+                                                budget=self.budget)
+        return indices, counts
+
+
+class QSAResult(NamedTuple):
+    """One layer call. ``indices``/``counts`` are the selection (``None``/all causal tokens in dense mode)."""
+
+    output: torch.Tensor  # [T, hidden]
+    attention: torch.Tensor  # [T, heads, head_dim]: gated attention output, before o_proj
+    query: torch.Tensor  # [T, heads, head_dim]: normed, rotated queries
+    gate: torch.Tensor  # [T, heads, head_dim]: output gate logits
+    indices: torch.Tensor | None  # [T, budget + R - 1] int32
+    counts: torch.Tensor  # [T] int32: tokens the attention read per row
+    index_q: torch.Tensor  # [T, indexer_n_heads, indexer_head_dim]
+    positions: torch.Tensor  # [T] int32
+
+
+class QSAAttention(nn.Module):
+    """Qwen4Exp gated full attention whose reads are chosen by a :class:`QSAIndexer`.
+
+    Args:
+        config: the model config.
+        dtype, device: of the weights; the caches must share the dtype.
+
+    Call with a ragged batch: ``hidden_states [T, hidden]``, ``input_row_offsets
+    [B+1]``, the main cache ``kv_cache`` (``KV == 2``, ``num_key_value_heads``
+    heads of ``head_dim``) and the indexer cache ``index_cache`` (one head of
+    ``indexer_head_dim``), both already holding each sequence's
+    ``cache_lengths`` tokens; ``cache_layer`` is this layer's index in both.
+
+    Example (2 sequences: 5 cached + 2 new tokens, and a fresh 3-token prompt)::
+
+        offsets = torch.tensor([0, 2, 5])     # rows 0-1 at positions 5, 6; rows 2-4 at 0, 1, 2
+        result = layer(hidden[:5], input_row_offsets=offsets, kv_cache=main, index_cache=index,
+                       cache_layer=0)
+        result.output.shape  # (5, hidden)
+    """
+
+    def __init__(self, config: Qwen4ExpConfig, *, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.rotary_dim = config.rotary_dim
+        self.scale = config.head_dim ** -0.5
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.q_proj = _linear(hidden, self.num_heads * 2 * self.head_dim, bias, dtype, device)
+        self.k_proj = _linear(hidden, self.num_kv_heads * self.head_dim, bias, dtype, device)
+        self.v_proj = _linear(hidden, self.num_kv_heads * self.head_dim, bias, dtype, device)
+        self.o_proj = _linear(self.num_heads * self.head_dim, hidden, bias, dtype, device)
+        self.q_norm = ZeroCentredRMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype, device=device)
+        self.k_norm = ZeroCentredRMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype, device=device)
+        self.indexer = QSAIndexer(config, dtype=dtype, device=device)
+        self.rotary = RotaryTable(self.rotary_dim, config.rope_theta, device=device)
+
+    def forward(self, hidden_states: torch.Tensor, *, input_row_offsets: torch.Tensor,
+                kv_cache: PagedKVCacheCollection, index_cache: PagedKVCacheCollection, cache_layer: int,
+                mode: str = "sparse", timer: StageTimerLike = no_timer) -> QSAResult:
+        """Run the layer on a ragged batch; ``mode`` is ``"sparse"`` (QSA) or ``"dense"`` (all causal tokens).
+
+        Both modes store this call's keys/values and raw indexer keys, so they
+        can be mixed across calls. Returns a :class:`QSAResult`.
+        """
+        if mode not in ("sparse", "dense"):
+            raise ValueError(f"mode: expected 'sparse' or 'dense', got {mode!r}")
+        tokens = hidden_states.shape[0]
+        positions = batch_positions(input_row_offsets.to(kv_cache.device), kv_cache.cache_lengths)
+        freqs_cis = self.rotary.table(kv_cache.max_cache_length + kv_cache.max_seq_length)
+        freqs = freqs_cis[positions.long()]
+        with timer("qsa.project"):
+            q_and_gate = self.q_proj(hidden_states).reshape(tokens, self.num_heads, 2 * self.head_dim)
+            query, gate = q_and_gate[..., :self.head_dim], q_and_gate[..., self.head_dim:].contiguous()
+            key = self.k_proj(hidden_states).reshape(tokens, self.num_kv_heads, self.head_dim)
+            value = self.v_proj(hidden_states).reshape(tokens, self.num_kv_heads, self.head_dim)
+            index_q, raw_keys = self.indexer.project(hidden_states, freqs)
+        with timer("qsa.norm_rope"):
+            query = _rope_in_place(self.q_norm(query), freqs, self.rotary_dim)
+            key = _rope_in_place(self.k_norm(key), freqs, self.rotary_dim)
+        with timer("cache.store"):
+            index_cache.get_key_cache(cache_layer).store(raw_keys, input_row_offsets)
+            kv_cache.get_key_cache(cache_layer).store(key, input_row_offsets)
+            kv_cache.get_value_cache(cache_layer).store(value.contiguous(), input_row_offsets)
+        if mode == "sparse":
+            indices, counts = self.indexer.select(index_q, index_cache, cache_layer, positions,
+                                                  input_row_offsets, freqs_cis, timer)
+            with timer("qsa.attention"):
+                attended = qsa_sparse_attention_paged(query, kv_cache, cache_layer, indices, counts,
+                                                      input_row_offsets, scale=self.scale, gate=gate)
+        else:
+            indices, counts = None, positions + 1
+            with timer("dense.attention"):
+                attended = dense_causal_attention(query, kv_cache, cache_layer, input_row_offsets,
+                                                  scale=self.scale, gate=gate)
+        with timer("qsa.o_proj"):
+            output = self.o_proj(attended.reshape(tokens, self.num_heads * self.head_dim))
+        return QSAResult(output, attended, query, gate, indices, counts, index_q, positions)
+
+
+def dense_causal_attention(q: torch.Tensor, kv_cache: PagedKVCacheCollection, cache_layer: int,
+                           input_row_offsets: torch.Tensor, *, scale: float, gate: torch.Tensor | None = None,
+                           rows: torch.Tensor | None = None, row_chunk: int = 256) -> torch.Tensor:
+    """Plain causal attention over every cached token, read back from the paged cache.
+
+    Written independently of the sparse kernels (gather whole histories,
+    masked softmax in fp32, ``* sigmoid(gate)``, one cast), it is the "dense"
+    side of the sparse-versus-dense checks.
+
+    Args:
+        q: ``[T, q_heads, D]``; row ``i`` of sequence ``b`` sits at position
+            ``cache_lengths[b] + i`` and attends to positions ``0..t``.
+        kv_cache: main cache (``KV == 2``) already holding this call's K/V.
+        gate: optional ``[T, q_heads, D]``.
+        rows: optional int tensor of row ids to compute (others are zero).
+
+    Returns ``[T, q_heads, D]`` in q's dtype.
+    """
+    offsets = input_row_offsets.to(torch.int64).cpu()
+    lengths = kv_cache.cache_lengths.to(torch.int64).cpu()
+    total, q_heads, head_dim = q.shape
+    kv_heads = kv_cache.num_heads
+    group = q_heads // kv_heads  # query head h reads KV head h // group
+    out = torch.zeros_like(q)
+    wanted = None if rows is None else torch.zeros(total, dtype=torch.bool).index_fill_(0, rows.cpu(), True)
+    keys_view, values_view = kv_cache.get_key_cache(cache_layer), kv_cache.get_value_cache(cache_layer)
+    for b in range(offsets.shape[0] - 1):
+        start, end = int(offsets[b]), int(offsets[b + 1])
+        row_ids = torch.arange(start, end)
+        if wanted is not None:
+            row_ids = row_ids[wanted[start:end]]
+        if row_ids.numel() == 0:
+            continue
+        held = int(lengths[b]) + end - start
+        history = torch.arange(held, device=q.device)
+        keys = keys_view.load(b, history).float()  # [n, kv_heads, D]
+        values = values_view.load(b, history).float()
+        for chunk in row_ids.split(row_chunk):
+            chunk_dev = chunk.to(q.device)
+            positions = (lengths[b] + chunk - start).to(q.device)
+            grouped = q[chunk_dev].float().reshape(-1, kv_heads, group, head_dim)
+            logits = torch.einsum("rkgd,nkd->rkgn", grouped, keys) * scale
+            visible = history[None, :] <= positions[:, None]  # [rows, n]
+            logits = logits.masked_fill(~visible[:, None, None, :], float("-inf"))
+            result = torch.einsum("rkgn,nkd->rkgd", torch.softmax(logits, dim=-1), values)
+            result = result.reshape(-1, q_heads, head_dim)
+            if gate is not None:
+                result = result * torch.sigmoid(gate[chunk_dev].float())
+            out[chunk_dev] = result.to(q.dtype)
+    return out
+
+
+class Qwen4ExpSlice(nn.Module):
+    """The QSA layers of a Qwen4Exp model, stacked with their input norms and residuals.
+
+    ``model.embed_tokens.weight [vocab, hidden]`` feeds a residual stream through
+    each QSA layer ``N`` of ``config.qsa_layers``: ``h = h + attn(input_layernorm(h))``
+    (``model.layers.N.input_layernorm.weight``, zero-centred RMSNorm). The other
+    layers of the real model (linear attention, MLPs) are not part of the slice.
+    Cache layer ``i`` belongs to the slice's ``i``-th QSA layer.
+    """
+
+    def __init__(self, config: Qwen4ExpConfig, vocab_size: int, *, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens.requires_grad_(False)
+        self.input_layernorms = nn.ModuleList(
+            ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
+            for _ in config.qsa_layers)
+        self.attentions = nn.ModuleList(QSAAttention(config, dtype=dtype, device=device) for _ in config.qsa_layers)
+
+    def checkpoint_modules(self) -> list[tuple[nn.Module, str]]:
+        """``(module, checkpoint prefix)`` pairs covering every weight of the slice."""
+        pairs: list[tuple[nn.Module, str]] = [(self.embed_tokens, "model.embed_tokens.")]
+        for layer_id, norm, attention in zip(self.config.qsa_layers, self.input_layernorms, self.attentions):
+            pairs.append((norm, f"model.layers.{layer_id}.input_layernorm."))
+            pairs.append((attention, f"model.layers.{layer_id}.self_attn."))
+        return pairs
+
+    def forward(self, token_ids: torch.Tensor, *, input_row_offsets: torch.Tensor, kv_cache: PagedKVCacheCollection,
+                index_cache: PagedKVCacheCollection, mode: str = "sparse",
+                timer: StageTimerLike = no_timer) -> tuple[torch.Tensor, list[QSAResult]]:
+        """``token_ids [T]`` of a ragged batch -> (final hidden ``[T, hidden]``, one result per QSA layer)."""
+        with timer("embed"):
+            hidden = self.embed_tokens(token_ids)
+        results = []
+        for cache_layer, (norm, attention) in enumerate(zip(self.input_layernorms, self.attentions)):
+            result = attention(norm(hidden), input_row_offsets=input_row_offsets, kv_cache=kv_cache,
+                               index_cache=index_cache, cache_layer=cache_layer, mode=mode, timer=timer)
+            hidden = hidden + result.output
+            results.append(result)
+        return hidden, results
+
+
+__all__ = ["QSAAttention", "QSAIndexer", "QSAResult", "Qwen4ExpSlice", "RotaryTable", "ZeroCentredRMSNorm",
+           "batch_positions", "dense_causal_attention", "no_timer"]

@@ -1,0 +1,444 @@
+"""Public QSA ops (SPEC 2.2 - 2.5): compress, block score, token selection, sparse attention.
+
+Each public function validates its arguments (``ValueError``/``TypeError``
+naming the argument), normalises index tensors to int32, allocates its outputs
+and calls an out-style torch custom op ``sparsekv::<name>`` whose body runs the
+backend chosen by ``sparsekv.ops._registry``. Checks that need the values of
+device tensors (page tables, counts) run on CPU tensors always and on GPU
+tensors only with ``SPARSEKV_DEBUG=1``.
+
+One layer step (SPEC 2.6)::
+
+    block_keys = qsa_compress_keys_paged(gamma, freqs_cis, key_counts, index_cache, layer,
+                                         ratio=4, eps=1e-6, max_blocks=max_blocks)
+    scores = qsa_block_score(index_q, block_keys, positions, offsets, ratio=4, score_scale=128 ** 0.5)
+    indices, counts = qsa_select_tokens(scores, positions, offsets, ratio=4, budget=2048)
+    out = qsa_sparse_attention_paged(q, main_cache, layer, indices, counts, offsets, scale=256 ** -0.5)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .._checks import KEY_DTYPES, as_index_tensor, check_int, check_offsets, check_same_dtype, check_tensor
+from ..cache.layout import PagedKVCacheCollection, ragged_rows
+from ..kernels.reference.qsa import check_needed_pages
+from ._registry import debug_checks, kernel
+from .select import SelectedTokens, select_blocks_expand
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+# ---- custom ops (out-style) ------------------------------------------------
+
+@torch.library.custom_op("sparsekv::qsa_compress_keys_paged", mutates_args=("block_keys",))
+def _compress_op(
+    block_keys: torch.Tensor,
+    gamma: torch.Tensor,
+    freqs_cis: torch.Tensor,
+    key_counts: torch.Tensor,
+    blocks: torch.Tensor,
+    lookup_table: torch.Tensor,
+    layer: int,
+    ratio: int,
+    eps: float,
+) -> None:
+    kernel("qsa", "qsa_compress_keys_paged", block_keys.device)(
+        block_keys, gamma, freqs_cis, key_counts, blocks, lookup_table, layer, ratio, eps
+    )
+
+
+@_compress_op.register_fake
+def _(block_keys, gamma, freqs_cis, key_counts, blocks, lookup_table, layer, ratio, eps) -> None:
+    return None
+
+
+@torch.library.custom_op("sparsekv::qsa_block_score", mutates_args=("scores",))
+def _block_score_op(
+    scores: torch.Tensor,
+    q: torch.Tensor,
+    block_keys: torch.Tensor,
+    query_positions: torch.Tensor,
+    input_row_offsets: torch.Tensor,
+    ratio: int,
+    score_scale: float,
+) -> None:
+    kernel("qsa", "qsa_block_score", scores.device)(
+        scores, q, block_keys, query_positions, input_row_offsets, ratio, score_scale
+    )
+
+
+@_block_score_op.register_fake
+def _(scores, q, block_keys, query_positions, input_row_offsets, ratio, score_scale) -> None:
+    return None
+
+
+@torch.library.custom_op("sparsekv::qsa_sparse_attention_paged", mutates_args=("out", "lse"))
+def _sparse_attention_op(
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    q: torch.Tensor,
+    blocks: torch.Tensor,
+    lookup_table: torch.Tensor,
+    indices: torch.Tensor,
+    counts: torch.Tensor,
+    input_row_offsets: torch.Tensor,
+    layer: int,
+    scale: float,
+    gate: torch.Tensor | None,
+) -> None:
+    kernel("qsa", "qsa_sparse_attention_paged", out.device)(
+        out, lse, q, blocks, lookup_table, indices, counts, input_row_offsets, layer, scale, gate
+    )
+
+
+@_sparse_attention_op.register_fake
+def _(out, lse, q, blocks, lookup_table, indices, counts, input_row_offsets, layer, scale, gate) -> None:
+    return None
+
+
+# ---- helpers ---------------------------------------------------------------
+
+def _host_checks(device: torch.device) -> bool:
+    """Whether value-dependent checks run: always on CPU, on GPUs only with SPARSEKV_DEBUG=1."""
+    return device.type == "cpu" or debug_checks()
+
+
+def _check_float(name: str, value: object, *, positive: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}: expected a float, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value) or (positive and value <= 0) or value < 0:
+        want = "a finite float > 0" if positive else "a finite float >= 0"
+        raise ValueError(f"{name}: expected {want}, got {value}")
+    return value
+
+
+def _check_collection(value: object) -> PagedKVCacheCollection:
+    if not isinstance(value, PagedKVCacheCollection):
+        raise TypeError(f"kv_collection: expected a sparsekv.PagedKVCacheCollection, got {type(value).__name__}")
+    return value
+
+
+def _check_row_offsets(offsets: torch.Tensor, batch: int, total_rows: int, device: torch.device) -> torch.Tensor:
+    offsets = as_index_tensor("input_row_offsets", offsets, ndim=1).to(device)
+    if offsets.shape[0] != batch + 1:
+        raise ValueError(f"input_row_offsets: expected shape ({batch + 1},) = batch + 1, got {tuple(offsets.shape)}")
+    if _host_checks(device):
+        offsets = check_offsets("input_row_offsets", offsets, batch=batch)
+        if int(offsets[-1]) != total_rows:
+            raise ValueError(f"input_row_offsets: last offset {int(offsets[-1])} must equal the {total_rows} query rows")
+    return offsets
+
+
+# ---- public ops --------------------------------------------------------------
+
+def qsa_compress_keys_paged(
+    gamma: torch.Tensor,
+    freqs_cis: torch.Tensor,
+    key_counts: torch.Tensor,
+    kv_collection: PagedKVCacheCollection,
+    layer_idx: int,
+    *,
+    ratio: int,
+    eps: float,
+    max_blocks: int | None = None,
+    rotary_dim: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Pool each sequence's complete ``ratio``-token blocks of raw indexer keys (SPEC 2.2).
+
+    Block ``j`` of sequence ``b``: fp32 mean of raw keys ``j*R .. j*R+R-1``,
+    zero-centred RMSNorm with ``gamma``, NeoX RoPE at position ``j*R`` over the
+    first ``rotary_dim`` channels, each step cast to the cache dtype.
+
+    Args:
+        gamma: ``[D]`` float (``k_layernorm`` weight); ``D`` is the head dim.
+        freqs_cis: ``[positions, rotary_dim]`` float cos/sin pairs
+            (``sparsekv.rope_freqs_cis``); needs a row for every block start.
+        key_counts: ``[B]`` int32/int64/uint32, raw keys per sequence
+            *including* this call's tokens (``cache_lengths + rows of this call``).
+        kv_collection: the indexer cache, ``[num_pages, KV, num_layers, page_size, 1, D]``;
+            plane 0 of ``layer_idx`` is read. Its ``cache_lengths`` do not change the output.
+        layer_idx: layer of the indexer cache.
+        ratio: tokens per block ``R >= 1``.
+        eps: RMSNorm epsilon (``>= 0``).
+        max_blocks: blocks per sequence in the output; required unless ``out`` is given.
+        rotary_dim: optional; when given, ``freqs_cis.shape[1]`` must equal it.
+        out: optional ``[B * max_blocks, D]`` contiguous tensor of the cache dtype.
+
+    Returns ``block_keys [B * max_blocks, D]`` in the cache dtype: sequence
+    ``b``'s block ``j < min(key_counts[b] // R, max_blocks)`` at row
+    ``b * max_blocks + j``; every other row is zero.
+
+    Raises ``ValueError`` for an empty batch, batch-size mismatches, widths
+    other than ``D``, a multi-head cache, a bad ``rotary_dim``, a
+    ``freqs_cis`` too short, or a missing page (naming sequence and position).
+
+    Example: ``key_counts = [9, 3]``, ``R = 4``, ``max_blocks = 3``: rows 0-1
+    pool tokens 0..3 and 4..7 of sequence 0, rows 2-5 are zero (9 // 4 = 2
+    blocks; 3 // 4 = 0 blocks).
+    """
+    c = _check_collection(kv_collection)
+    c._check_layer(layer_idx)
+    check_int("ratio", ratio, minimum=1)
+    eps = _check_float("eps", eps)
+    check_tensor("gamma", gamma, ndim=1, dtypes=FLOAT_DTYPES, device=c.device)
+    check_tensor("freqs_cis", freqs_cis, ndim=2, dtypes=FLOAT_DTYPES, device=c.device)
+    key_counts = as_index_tensor("key_counts", key_counts, ndim=1).to(c.device)
+    batch = key_counts.shape[0]
+    if batch == 0:
+        raise ValueError("key_counts: empty batch (0 sequences); expected at least one")
+    if c.batch_size != batch:
+        raise ValueError(f"kv_collection.cache_lengths: expected {batch} entries (len(key_counts)), got {c.batch_size}")
+    if c.lookup_table.shape[0] != batch:
+        raise ValueError(
+            f"kv_collection.lookup_table: expected {batch} rows (len(key_counts)), got {c.lookup_table.shape[0]}"
+        )
+    head_dim = gamma.shape[0]
+    if c.num_heads != 1:
+        raise ValueError(f"kv_collection: expected an indexer cache with one key head, got {c.num_heads} heads")
+    if c.head_size != head_dim:
+        raise ValueError(f"kv_collection: head width {c.head_size} differs from D = len(gamma) = {head_dim}")
+    freq_width = freqs_cis.shape[1]
+    if rotary_dim is not None:
+        check_int("rotary_dim", rotary_dim, minimum=0)
+        if freq_width != rotary_dim:
+            raise ValueError(f"freqs_cis: width {freq_width} differs from rotary_dim = {rotary_dim}")
+    if freq_width == 0 or freq_width % 2 or freq_width > head_dim:
+        raise ValueError(f"freqs_cis: rotary_dim (its width) must be even, > 0 and <= D = {head_dim}, got {freq_width}")
+
+    if out is None:
+        if max_blocks is None:
+            raise ValueError("max_blocks: required when out is not given")
+        check_int("max_blocks", max_blocks, minimum=0)
+        out = torch.empty(batch * max_blocks, head_dim, dtype=c.dtype, device=c.device)
+    else:
+        check_tensor("out (block_keys)", out, ndim=2, dtypes=(c.dtype,), device=c.device)
+        if out.shape[1] != head_dim:
+            raise ValueError(f"out (block_keys): width {out.shape[1]} differs from D = len(gamma) = {head_dim}")
+        if out.shape[0] % batch:
+            raise ValueError(f"out (block_keys): {out.shape[0]} rows is not a multiple of the batch size {batch}")
+        if max_blocks is not None and max_blocks != out.shape[0] // batch:
+            raise ValueError(f"max_blocks: {max_blocks} disagrees with out rows {out.shape[0]} // batch {batch}")
+        if not out.is_contiguous():
+            raise ValueError("out (block_keys): expected a contiguous tensor")
+        max_blocks = out.shape[0] // batch
+
+    if _host_checks(c.device):
+        if bool((key_counts < 0).any()):
+            raise ValueError(f"key_counts: expected values >= 0 (< 2**31), got {key_counts.tolist()}")
+        num_blocks = torch.clamp(key_counts.long() // ratio, max=max_blocks)
+        last_start = int(num_blocks.max()) * ratio - ratio
+        if last_start >= freqs_cis.shape[0]:
+            b = int(num_blocks.argmax())
+            raise ValueError(
+                f"freqs_cis: {freqs_cis.shape[0]} rows is too short; sequence {b} needs position {last_start}"
+            )
+        if c.device.type != "cpu":  # CPU kernels check pages themselves before reading
+            check_needed_pages(c.lookup_table, c.num_pages, c.page_size, num_blocks * ratio)
+    _compress_op(out, gamma, freqs_cis, key_counts, c.blocks, c.lookup_table, layer_idx, ratio, eps)
+    return out
+
+
+def qsa_block_score(
+    q: torch.Tensor,
+    block_keys: torch.Tensor,
+    query_positions: torch.Tensor,
+    input_row_offsets: torch.Tensor,
+    *,
+    ratio: int,
+    score_scale: float,
+    out_cols: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Score each query row against its sequence's block keys (SPEC 2.3).
+
+    ``scores[r, g] = sum_h relu(q[r, h] . block_keys[b*max_blocks + g]) / score_scale``
+    (fp32) for visible blocks ``g < min((t+1) // ratio, max_blocks)``, ``-inf``
+    elsewhere; ``b`` is row ``r``'s sequence, ``t = query_positions[r]``.
+
+    Args:
+        q: ``[total_q, n_heads, D]`` bf16/fp16/fp32, normed and rotated.
+        block_keys: ``[B * max_blocks, D]``, q's dtype (``qsa_compress_keys_paged``'s output).
+        query_positions: ``[total_q]`` int, ``t >= 0`` of each row in its sequence.
+        input_row_offsets: ``[B+1]`` int, ``input_row_offsets[-1] == total_q``.
+        ratio: tokens per block.
+        score_scale: the divisor, ``> 0`` (``sqrt(D)`` in the model).
+        out_cols: columns of the output, ``>= max_blocks`` (default ``max_blocks``).
+        out: optional ``[total_q, out_cols]`` contiguous float32.
+
+    Returns ``scores [total_q, out_cols]`` float32.
+
+    Example: 2 sequences, ``max_blocks = 8`` (16 block-key rows), offsets
+    ``[0, 1, 3]``, positions ``[9, 2, 3]``, ``R = 4``: row 0 sees blocks
+    0-1 of sequence 0 (rows 0-1), row 1 none, row 2 block 0 of sequence 1 (row 8).
+    """
+    check_int("ratio", ratio, minimum=1)
+    score_scale = _check_float("score_scale", score_scale, positive=True)
+    check_tensor("q", q, ndim=3, dtypes=KEY_DTYPES)
+    check_tensor("block_keys", block_keys, ndim=2, dtypes=KEY_DTYPES, device=q.device)
+    check_same_dtype(("q", "block_keys"), q, block_keys)
+    total_q, _, head_dim = q.shape
+    if block_keys.shape[1] != head_dim:
+        raise ValueError(f"block_keys: width {block_keys.shape[1]} differs from q's head dim {head_dim}")
+    check_tensor("input_row_offsets", input_row_offsets, ndim=1)
+    batch = input_row_offsets.shape[0] - 1
+    if batch < 1:
+        raise ValueError("input_row_offsets: empty batch; expected shape (B+1,) with B >= 1")
+    if block_keys.shape[0] % batch:
+        raise ValueError(f"block_keys: {block_keys.shape[0]} rows is not a multiple of the batch size {batch}")
+    max_blocks = block_keys.shape[0] // batch
+    offsets = _check_row_offsets(input_row_offsets, batch, total_q, q.device)
+    positions = as_index_tensor("query_positions", query_positions, ndim=1).to(q.device)
+    if positions.shape[0] != total_q:
+        raise ValueError(f"query_positions: expected shape ({total_q},) = q rows, got {tuple(positions.shape)}")
+    if _host_checks(q.device) and total_q and bool((positions < 0).any()):
+        bad = int(torch.nonzero(positions < 0)[0])
+        raise ValueError(f"query_positions: expected positions >= 0, got {int(positions[bad])} at row {bad}")
+    if out is not None:
+        check_tensor("out (scores)", out, ndim=2, dtypes=(torch.float32,), device=q.device)
+        if out_cols is not None and out.shape[1] != out_cols:
+            raise ValueError(f"out_cols: {out_cols} disagrees with out's {out.shape[1]} columns")
+        out_cols = out.shape[1]
+    elif out_cols is None:
+        out_cols = max_blocks
+    check_int("out_cols", out_cols, minimum=0)
+    if out_cols < max_blocks:
+        raise ValueError(f"out_cols: expected >= max_blocks = {max_blocks}, got {out_cols}")
+    if out is None:
+        out = torch.empty(total_q, out_cols, dtype=torch.float32, device=q.device)
+    else:
+        check_tensor("out (scores)", out, shape=(total_q, out_cols))
+        if not out.is_contiguous():
+            raise ValueError("out (scores): expected a contiguous tensor")
+    _block_score_op(out, q, block_keys, positions, offsets, ratio, score_scale)
+    return out
+
+
+def qsa_select_tokens(
+    scores: torch.Tensor,
+    query_positions: torch.Tensor,
+    input_row_offsets: torch.Tensor,
+    *,
+    ratio: int,
+    budget: int,
+) -> SelectedTokens:
+    """Top ``budget // ratio`` blocks of each row expanded to tokens, plus the open tail (SPEC 2.4).
+
+    Args:
+        scores: ``[total_q, num_cols]`` float32 from ``qsa_block_score``.
+        query_positions: ``[total_q]`` int, ``t >= 0``.
+        input_row_offsets: ``[B+1]`` int, ``input_row_offsets[-1] == total_q``
+            (checked; the selection itself is per row).
+        ratio: tokens per block; budget: tokens (``2048`` in the model).
+
+    Returns ``SelectedTokens(indices [total_q, budget + ratio - 1] int32, counts [total_q] int32)``;
+    see ``sparsekv.select_blocks_expand`` for the rules (ties to the lower
+    block id; visibility by position).
+
+    Example: ``R = 4``, ``budget = 8``, ``t = 6``: 1 visible block, so
+    indices ``[0, 1, 2, 3, 4, 5, 6, -1, -1, -1, -1]``, counts ``7``
+    (every causal token, as ``t + 1 = 7 <= 8 + 4 - 1``).
+    """
+    check_tensor("scores", scores, ndim=2)
+    check_tensor("input_row_offsets", input_row_offsets, ndim=1)
+    batch = input_row_offsets.shape[0] - 1
+    if batch < 1:
+        raise ValueError("input_row_offsets: empty batch; expected shape (B+1,) with B >= 1")
+    _check_row_offsets(input_row_offsets, batch, scores.shape[0], scores.device)
+    return select_blocks_expand(scores, query_positions, ratio=ratio, budget=budget, include_tail=True)
+
+
+def qsa_sparse_attention_paged(
+    q: torch.Tensor,
+    kv_collection: PagedKVCacheCollection,
+    layer_idx: int,
+    indices: torch.Tensor,
+    counts: torch.Tensor,
+    input_row_offsets: torch.Tensor,
+    *,
+    scale: float,
+    gate: torch.Tensor | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention of each query row over the cached tokens it selected (SPEC 2.5).
+
+    Args:
+        q: ``[total_q, q_heads, head_size]`` in the cache dtype; ``q_heads`` a
+            multiple of the cache's ``kv_heads`` (GQA: head ``h`` reads KV head
+            ``h // (q_heads // kv_heads)``).
+        kv_collection: the main cache (``KV == 2``), this call's K/V already stored.
+        layer_idx: the layer to read.
+        indices: ``[total_q, W]`` int, request-relative positions; only the
+            first ``counts[r]`` of row ``r`` are read (duplicates count twice).
+        counts: ``[total_q]`` int, ``<= W``; ``<= 0`` gives a zero row.
+        input_row_offsets: ``[B+1]`` int, rows of each sequence.
+        scale: multiplies ``q . k``.
+        gate: optional ``[total_q, q_heads, head_size]`` in q's dtype; the
+            output is multiplied by ``sigmoid(gate)`` (fp32, before the cast).
+        return_lse: also return the ``[total_q, q_heads]`` float32 log-sum-exp
+            (natural log of the scaled logits; ``-inf`` for empty rows).
+
+    Returns ``out`` in q's dtype, or ``(out, lse)``.
+
+    Raises ``ValueError`` when a counted entry is ``-1``, negative, at or past
+    the tokens the sequence holds (``cache_lengths[b] + its rows in this
+    call``), or on a missing page, naming row and entry.
+
+    Example: cache lengths ``[5]``, offsets ``[0, 1]`` (one new token at
+    position 5, already stored), ``indices = [[0, 1, 5, -1]]``, ``counts = [3]``:
+    the row attends over tokens 0, 1 and 5.
+    """
+    c = _check_collection(kv_collection)
+    c._check_layer(layer_idx)
+    if c.kv_planes != 2:
+        raise ValueError(f"kv_collection: expected a K/V cache (KV == 2), got KV == {c.kv_planes}")
+    scale = float(scale) if isinstance(scale, (int, float)) and not isinstance(scale, bool) else scale
+    if not isinstance(scale, float) or not math.isfinite(scale):
+        raise TypeError(f"scale: expected a finite float, got {scale!r}")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse: expected a bool, got {type(return_lse).__name__}")
+    check_tensor("q", q, ndim=3, dtypes=(c.dtype,), device=c.device)
+    total_q, q_heads, head_dim = q.shape
+    if head_dim != c.head_size:
+        raise ValueError(f"q: head dim {head_dim} differs from the cache's head_size {c.head_size}")
+    if q_heads % c.num_heads:
+        raise ValueError(f"q: {q_heads} heads is not a multiple of the cache's {c.num_heads} KV heads")
+    if gate is not None:
+        check_tensor("gate", gate, shape=tuple(q.shape), dtypes=(q.dtype,), device=c.device)
+    indices = as_index_tensor("indices", indices, ndim=2).to(c.device)
+    counts = as_index_tensor("counts", counts, ndim=1).to(c.device)
+    if indices.shape[0] != total_q:
+        raise ValueError(f"indices: expected {total_q} rows (q rows), got {indices.shape[0]}")
+    if counts.shape[0] != total_q:
+        raise ValueError(f"counts: expected shape ({total_q},) = q rows, got {tuple(counts.shape)}")
+    offsets = _check_row_offsets(input_row_offsets, c.batch_size, total_q, c.device)
+    if _host_checks(c.device) and total_q:
+        _check_counted_positions(indices, counts, offsets, c.cache_lengths)
+    out = torch.empty_like(q)
+    lse = torch.empty(total_q, q_heads, dtype=torch.float32, device=c.device)
+    _sparse_attention_op(out, lse, q, c.blocks, c.lookup_table, indices, counts, offsets, layer_idx, scale, gate)
+    return (out, lse) if return_lse else out
+
+
+def _check_counted_positions(indices: torch.Tensor, counts: torch.Tensor, offsets: torch.Tensor,
+                             cache_lengths: torch.Tensor) -> None:
+    """Counts within ``[.., W]`` and counted positions in ``[0, tokens held)``, else ``ValueError``."""
+    width = indices.shape[1]
+    too_many = counts > width
+    if bool(too_many.any()):
+        r = int(torch.nonzero(too_many)[0])
+        raise ValueError(f"counts: row {r} counts {int(counts[r])} entries but indices has {width} columns")
+    seq_ids, _ = ragged_rows(offsets)
+    held = cache_lengths.long()[seq_ids] + (offsets[1:] - offsets[:-1]).long()[seq_ids]  # [total_q]
+    counted = torch.arange(width, device=indices.device)[None, :] < counts[:, None]
+    bad = counted & ((indices < 0) | (indices.long() >= held[:, None]))
+    if bool(bad.any()):
+        r, i = (int(x) for x in torch.nonzero(bad)[0])
+        raise ValueError(
+            f"indices: row {r}, entry {i} holds position {int(indices[r, i])}, outside [0, {int(held[r])}) "
+            f"(the tokens sequence {int(seq_ids[r])} holds) inside the counted region (counts[{r}] = {int(counts[r])})"
+        )

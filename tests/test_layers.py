@@ -1,0 +1,227 @@
+"""Model layers on paged caches: QSA attention (Qwen4Exp) and the k-pool indexer (GLM-5-Next).
+
+The oracles are written here from the SPEC and the layer docstrings (plain
+dense PyTorch over whole sequences), not from the layer code.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from sparsekv import mla_kpool_compress
+from sparsekv.cache.manager import CacheGroupSpec, PagedKVCacheManager
+from sparsekv.demo import seed_parameters
+from sparsekv.layers import Glm5NextConfig, Glm5NextIndexerSlice, KPoolIndexerLayer, QSAAttention, Qwen4ExpConfig
+
+QWEN = Qwen4ExpConfig(hidden_size=48, num_hidden_layers=1, qsa_layers=(0,), num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, partial_rotary_factor=0.5, rope_theta=1e4,
+                      indexer_n_heads=2, indexer_head_dim=16, indexer_compress_ratio=4, indexer_budget=8)
+GLM = Glm5NextConfig(hidden_size=40, num_hidden_layers=1, index_layers=(0,), q_lora_rank=24, index_n_heads=3,
+                     index_head_dim=12, index_topk=8, index_kpool=4)
+PAGE = 8
+
+
+def _qsa_layer(dtype: torch.dtype, seed: int) -> QSAAttention:
+    layer = QSAAttention(QWEN, dtype=dtype)
+    seed_parameters(layer, seed)
+    return layer
+
+
+def _qsa_manager(dtype: torch.dtype) -> PagedKVCacheManager:
+    return PagedKVCacheManager([CacheGroupSpec("main", 2, 1, QWEN.num_key_value_heads, QWEN.head_dim, dtype),
+                                CacheGroupSpec("index", 1, 1, 1, QWEN.indexer_head_dim, dtype)],
+                               page_size=PAGE, num_pages=64, enable_prefix_caching=False)
+
+
+def _run_qsa(layer, manager, schedule, hidden_by_rid, mode="sparse"):
+    """Run ``schedule`` (a list of steps, each a list of (rid, n)) and return each request's outputs and results."""
+    done = {rid: 0 for rid in hidden_by_rid}
+    outputs = {rid: [] for rid in hidden_by_rid}
+    results = []
+    for rid in hidden_by_rid:
+        manager.claim(rid)
+    for step in schedule:
+        for rid, n in step:
+            manager.allocate(rid, n)
+        batch = manager.prepare([rid for rid, _ in step], [n for _, n in step])
+        hidden = torch.cat([hidden_by_rid[rid][done[rid]:done[rid] + n] for rid, n in step])
+        with torch.no_grad():
+            result = layer(hidden, input_row_offsets=batch.input_row_offsets, kv_cache=batch.collection("main"),
+                           index_cache=batch.collection("index"), cache_layer=0, mode=mode)
+        offsets = batch.input_row_offsets.tolist()
+        for b, (rid, n) in enumerate(step):
+            outputs[rid].append(result.output[offsets[b]:offsets[b + 1]])
+            manager.step(rid, [0] * n)
+            done[rid] += n
+        results.append(result)
+    return {rid: torch.cat(chunks) for rid, chunks in outputs.items()}, results
+
+
+def _reference_dense_layer(layer: QSAAttention, hidden: torch.Tensor) -> torch.Tensor:
+    """The layer's documented math over one whole sequence, fp32, full causal attention."""
+    cfg = layer.config
+    heads, kv_heads, dim, rot = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rotary_dim
+    w = {k: v.float() for k, v in layer.state_dict().items()}
+    x = hidden.float()
+    tokens = x.shape[0]
+    q_and_gate = (x @ w["q_proj.weight"].T).reshape(tokens, heads, 2 * dim)
+    q, gate = q_and_gate[..., :dim], q_and_gate[..., dim:]
+    k = (x @ w["k_proj.weight"].T).reshape(tokens, kv_heads, dim)
+    v = (x @ w["v_proj.weight"].T).reshape(tokens, kv_heads, dim)
+
+    def norm(t, weight):
+        return t / torch.sqrt(t.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps) * (1 + weight)
+
+    def rope(t):
+        half = rot // 2
+        inv = cfg.rope_theta ** (-torch.arange(half, dtype=torch.float64) * 2 / rot)
+        ang = torch.arange(tokens, dtype=torch.float64)[:, None] * inv[None]
+        cos, sin = ang.cos().float()[:, None, :], ang.sin().float()[:, None, :]
+        lo, hi = t[..., :half], t[..., half:rot]
+        return torch.cat([lo * cos - hi * sin, hi * cos + lo * sin, t[..., rot:]], dim=-1)
+
+    q, k = rope(norm(q, w["q_norm.weight"])), rope(norm(k, w["k_norm.weight"]))
+    group = heads // kv_heads
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    logits = torch.einsum("thd,shd->hts", q, k) / math.sqrt(dim)
+    logits = logits.masked_fill(torch.ones(tokens, tokens).triu(1).bool()[None], float("-inf"))
+    attended = torch.einsum("hts,shd->thd", logits.softmax(-1), v) * torch.sigmoid(gate)
+    return attended.reshape(tokens, heads * dim) @ w["o_proj.weight"].T
+
+
+def test_qsa_layer_dense_mode_matches_reference_math():
+    layer = _qsa_layer(torch.float32, seed=3)
+    hidden = torch.randn(21, QWEN.hidden_size, generator=torch.Generator().manual_seed(5))
+    outputs, _ = _run_qsa(layer, _qsa_manager(torch.float32), [[("a", 9)], [("a", 12)]], {"a": hidden}, mode="dense")
+    expected = _reference_dense_layer(layer, hidden)
+    torch.testing.assert_close(outputs["a"], expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qsa_sparse_equals_dense_under_the_budget(dtype):
+    layer = _qsa_layer(dtype, seed=11)
+    hidden = torch.randn(37, QWEN.hidden_size, generator=torch.Generator().manual_seed(7)).to(dtype)
+    schedule = [[("a", 13)], [("a", 1)], [("a", 23)]]
+    sparse, results = _run_qsa(layer, _qsa_manager(dtype), schedule, {"a": hidden}, mode="sparse")
+    dense, _ = _run_qsa(layer, _qsa_manager(dtype), schedule, {"a": hidden}, mode="dense")
+    window = QWEN.indexer_budget + QWEN.indexer_compress_ratio - 1  # 11 tokens: every causal token selected
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(sparse["a"][:window].float(), dense["a"][:window].float(), **tol)
+    # Past the window the selection drops tokens, so outputs must differ somewhere.
+    assert (sparse["a"][window:].float() - dense["a"][window:].float()).abs().max() > 1e-2
+    counts = torch.cat([r.counts for r in results])
+    positions = torch.arange(37)
+    expected_counts = torch.where(positions + 1 <= window, positions + 1,
+                                  QWEN.indexer_budget + (positions + 1) % QWEN.indexer_compress_ratio)
+    assert torch.equal(counts.long(), expected_counts)
+
+
+def test_qsa_outputs_do_not_depend_on_the_schedule():
+    layer = _qsa_layer(torch.float32, seed=2)
+    gen = torch.Generator().manual_seed(9)
+    hidden = {"a": torch.randn(30, QWEN.hidden_size, generator=gen), "b": torch.randn(17, QWEN.hidden_size,
+                                                                                        generator=gen)}
+    one_shot, _ = _run_qsa(layer, _qsa_manager(torch.float32), [[("a", 30), ("b", 17)]], hidden)
+    # chunks that end mid-block, a first call with no complete block (b: 3 tokens), decode-sized steps
+    mixed = [[("a", 7)], [("a", 1), ("b", 3)], [("b", 5), ("a", 13)], [("a", 9), ("b", 1)], [("b", 8)]]
+    chunked, _ = _run_qsa(layer, _qsa_manager(torch.float32), mixed, hidden)
+    for rid in hidden:
+        torch.testing.assert_close(chunked[rid], one_shot[rid], rtol=1e-5, atol=1e-5)
+
+
+def test_qsa_layer_rejects_unknown_mode():
+    layer = _qsa_layer(torch.float32, seed=0)
+    manager = _qsa_manager(torch.float32)
+    manager.claim("a")
+    manager.allocate("a", 2)
+    batch = manager.prepare(["a"], [2])
+    with pytest.raises(ValueError, match="mode"):
+        layer(torch.zeros(2, QWEN.hidden_size), input_row_offsets=batch.input_row_offsets,
+              kv_cache=batch.collection("main"), index_cache=batch.collection("index"), cache_layer=0, mode="full")
+
+
+# ---------------------------------------------------------------------------
+# k-pool indexer
+# ---------------------------------------------------------------------------
+def _kpool_run(layer: KPoolIndexerLayer, hidden: torch.Tensor, chunks: list[int], dtype: torch.dtype):
+    manager = PagedKVCacheManager([CacheGroupSpec("pooled", 1, 1, 1, GLM.index_head_dim, dtype,
+                                                  tokens_per_entry=GLM.index_kpool)],
+                                  page_size=PAGE, num_pages=32, enable_prefix_caching=False)
+    ring = layer.indexer.new_ring(3)
+    manager.claim("r")
+    done, results = 0, []
+    for n in chunks:
+        manager.allocate("r", n)
+        batch = manager.prepare(["r"], [n])
+        with torch.no_grad():
+            results.append(layer(hidden[done:done + n], input_row_offsets=batch.input_row_offsets,
+                                 cache_lengths=batch.cache_lengths, ring=ring, slot_ids=torch.tensor([2]),
+                                 pooled_cache=batch.collection("pooled"), cache_layer=0))
+        manager.step("r", [0] * n)
+        done += n
+    pools = done // GLM.index_kpool
+    stored = manager.prepare(["r"], [0]).collection("pooled").get_key_cache(0).load(0, torch.arange(pools))[:, 0]
+    return stored, results
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kpool_pooled_keys_do_not_depend_on_the_schedule(dtype):
+    layer = KPoolIndexerLayer(GLM, dtype=dtype)
+    seed_parameters(layer, 4)
+    hidden = torch.randn(43, GLM.hidden_size, generator=torch.Generator().manual_seed(1)).to(dtype)
+    one_shot, _ = _kpool_run(layer, hidden, [43], dtype)
+    chunked, results = _kpool_run(layer, hidden, [5, 3, 1, 1, 9, 2, 22], dtype)
+    assert one_shot.shape == chunked.shape == (10, GLM.index_head_dim)
+    # Given the same key/gate rows, pooling through the ring is bit-identical to one compress (SPEC 3.2) ...
+    keys = torch.cat([r.keys for r in results])
+    gates = torch.cat([r.gates for r in results])
+    expected = mla_kpool_compress(keys, gates, layer.indexer.ape, torch.tensor([0, 43]), None, torch.tensor([0]),
+                                  kpool=GLM.index_kpool)
+    assert torch.equal(chunked, expected)
+    # ... while the projections of differently sized batches may round differently.
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(chunked.float(), one_shot.float(), **tol)
+
+
+def test_kpool_selection_matches_dense_oracle():
+    layer = KPoolIndexerLayer(GLM, dtype=torch.float32)
+    seed_parameters(layer, 8)
+    hidden = torch.randn(29, GLM.hidden_size, generator=torch.Generator().manual_seed(2))
+    stored, (result,) = _kpool_run(layer, hidden, [29], torch.float32)
+    w = {k: v.float() for k, v in layer.state_dict().items()}
+    kpool, heads, dim = GLM.index_kpool, GLM.index_n_heads, GLM.index_head_dim
+    # Projections (DeepSeek-V3.2 style names) and the documented head-weight scale.
+    x = hidden
+    latent = x @ w["q_a_proj.weight"].T
+    latent = latent / torch.sqrt(latent.pow(2).mean(-1, keepdim=True) + GLM.rms_norm_eps) * w["q_a_layernorm.weight"]
+    q = (latent @ w["indexer.wq_b.weight"].T).reshape(-1, heads, dim)
+    keys = torch.nn.functional.layer_norm(x @ w["indexer.wk.weight"].T, (dim,), w["indexer.k_norm.weight"],
+                                          w["indexer.k_norm.bias"], 1e-6)
+    gates = x @ w["indexer.gate_proj.weight"].T
+    head_weights = (x @ w["indexer.weights_proj.weight"].T) * heads ** -0.5 * dim ** -0.5
+    torch.testing.assert_close(result.head_weights, head_weights, rtol=1e-5, atol=1e-6)
+    # Pools: per-channel softmax of gate + ape over each pool's members (SPEC 3.1).
+    members = keys[: (29 // kpool) * kpool].reshape(-1, kpool, dim)
+    logits = gates[: (29 // kpool) * kpool].reshape(-1, kpool, dim) + w["indexer.ape"][None]
+    pooled = (logits.softmax(dim=1) * members).sum(dim=1)
+    torch.testing.assert_close(stored, pooled, rtol=1e-5, atol=1e-6)
+    # Scores and top-k expansion (SPEC 3.3).
+    for t in range(29):
+        visible = (t + 1) // kpool
+        scores = (head_weights[t][:, None] * (q[t] @ pooled[:visible].T).clamp_min(0)).sum(0)
+        keep = GLM.index_topk // kpool
+        chosen = torch.arange(visible) if visible <= keep else torch.sort(torch.topk(scores, keep).indices).values
+        tail = torch.arange(t + 1 - (t + 1) % kpool, t + 1)
+        expected = torch.cat([(chosen[:, None] * kpool + torch.arange(kpool)).reshape(-1), tail])
+        count = int(result.counts[t])
+        assert result.indices[t, :count].tolist() == expected.tolist(), f"row {t}"
+        assert bool((result.indices[t, count:] == -1).all())
+
+
+def test_kpool_ape_stays_float32_in_a_bf16_model():
+    slice_ = Glm5NextIndexerSlice(GLM, 16, dtype=torch.bfloat16)
+    assert slice_.layers[0].indexer.ape.dtype == torch.float32
+    assert slice_.layers[0].indexer.wk.weight.dtype == torch.bfloat16

@@ -1,0 +1,139 @@
+"""Case builders and comparison metrics shared by the QSA and selection tests.
+
+Also tests the builders themselves, so that the other files can trust them.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from sparsekv import PagedKVCacheCollection
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+# ---- paged caches ------------------------------------------------------------
+
+def build_paged_cache(
+    histories: list[torch.Tensor],
+    *,
+    page_size: int,
+    num_layers: int = 1,
+    layer: int = 0,
+    kv: int = 1,
+    values: list[torch.Tensor] | None = None,
+    spare_pages: int = 2,
+    stride_pad: int = 0,
+    spare_table_cols: int = 1,
+    rng: random.Random | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A paged cache holding ``histories[b] [n_b, heads, D]`` (plane 0) of ``layer``.
+
+    Pages are scattered (a random permutation, spare pages in between); every
+    element not holding a history token is NaN, so reading a wrong page,
+    plane, layer or row shows up as NaN. ``stride_pad > 0`` returns a strided
+    view of a larger allocation (``page_stride = packed + stride_pad``).
+    Returns ``(blocks [num_pages, kv, num_layers, page_size, heads, D], lookup_table int32)``.
+    """
+    rng = rng or random.Random(0)
+    heads, dim = histories[0].shape[1:]
+    dtype = histories[0].dtype
+    pages_per_seq = [-(-h.shape[0] // page_size) for h in histories]
+    num_pages = sum(pages_per_seq) + spare_pages
+    packed = kv * num_layers * page_size * heads * dim
+    storage = torch.full((num_pages, packed + stride_pad), float("nan"), dtype=dtype)
+    blocks = storage[:, :packed].view(num_pages, kv, num_layers, page_size, heads, dim)
+    page_ids = list(range(num_pages))
+    rng.shuffle(page_ids)
+    table = torch.full((len(histories), max(pages_per_seq, default=0) + spare_table_cols), -1, dtype=torch.int32)
+    for b, history in enumerate(histories):
+        for i in range(pages_per_seq[b]):
+            page = page_ids.pop()
+            table[b, i] = page
+            rows = history[i * page_size : (i + 1) * page_size]
+            blocks[page, 0, layer, : rows.shape[0]] = rows
+            if values is not None:
+                blocks[page, 1, layer, : rows.shape[0]] = values[b][i * page_size : (i + 1) * page_size]
+    return blocks, table
+
+
+def make_collection(blocks: torch.Tensor, table: torch.Tensor, cache_lengths: list[int]) -> PagedKVCacheCollection:
+    lengths = torch.tensor(cache_lengths, dtype=torch.int32)
+    page_stride = blocks.stride(0) if blocks.shape[0] > 1 else -1
+    packed = blocks[0].numel()
+    return PagedKVCacheCollection(blocks, lengths, table, max_seq_length=1,
+                                  max_cache_length=max(cache_lengths, default=0),
+                                  page_stride=-1 if page_stride == packed else page_stride)
+
+
+def random_key_counts(rng: random.Random, batch: int, ratio: int, max_len: int = 40) -> list[int]:
+    """Key counts covering 0, fewer than a block, exact multiples and partial last blocks."""
+    kinds = [lambda: 0, lambda: rng.randrange(1, ratio) if ratio > 1 else 1,
+             lambda: ratio * rng.randrange(1, max_len // ratio + 1),
+             lambda: rng.randrange(0, max_len + 1)]
+    return [rng.choice(kinds)() for _ in range(batch)]
+
+
+def poisoned(shape, dtype) -> torch.Tensor:
+    if dtype.is_floating_point:
+        return torch.full(shape, float("nan"), dtype=dtype)
+    return torch.full(shape, -12345, dtype=dtype)
+
+
+# ---- comparisons (SPEC 4) ------------------------------------------------------
+
+def _ordered_bits(x: torch.Tensor) -> torch.Tensor:
+    """Map 16-bit floats to integers whose difference counts ulps (sign-magnitude -> ordered)."""
+    bits = x.contiguous().view(torch.int16).to(torch.int32)
+    return torch.where(bits < 0, -(bits & 0x7FFF), bits)
+
+
+def assert_spec_close(actual: torch.Tensor, expected: torch.Tensor, *, what: str = "") -> None:
+    """SPEC 4: fp32 within 1e-5 relative; bf16/fp16 <= 1 ulp apart and >= 99% equal. No NaN."""
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    assert not torch.isnan(actual).any(), f"{what}: NaN in the output (unwritten or poisoned elements)"
+    assert torch.equal(torch.isnan(actual), torch.isnan(expected))
+    if actual.numel() == 0:
+        return
+    if actual.dtype in (torch.bfloat16, torch.float16):
+        ulps = (_ordered_bits(actual) - _ordered_bits(expected)).abs()
+        assert int(ulps.max()) <= 1, f"{what}: {int(ulps.max())} ulps apart"
+        equal = float((ulps == 0).float().mean())
+        assert equal >= 0.99, f"{what}: only {equal:.2%} equal"
+    else:
+        a, e = actual.double(), expected.double()
+        finite = torch.isfinite(e)
+        assert torch.equal(finite, torch.isfinite(a)) and torch.equal(a[~finite], e[~finite]), f"{what}: inf mismatch"
+        err = (a[finite] - e[finite]).abs()
+        bound = 1e-5 * e[finite].abs() + 1e-6 * (e[finite].abs().max() if finite.any() else 0)
+        assert bool((err <= bound).all()), f"{what}: max error {float(err.max())}"
+
+
+# ---- tests of the builders ----------------------------------------------------
+
+def test_build_paged_cache_places_every_token():
+    rng = random.Random(7)
+    histories = [torch.randn(n, 1, 6) for n in (0, 5, 11)]
+    for stride_pad in (0, 5):
+        blocks, table = build_paged_cache(histories, page_size=4, num_layers=3, layer=2, kv=2,
+                                          stride_pad=stride_pad, rng=rng)
+        assert blocks.stride(0) == blocks[0].numel() + stride_pad
+        for b, h in enumerate(histories):
+            for t in range(h.shape[0]):
+                page = int(table[b, t // 4])
+                assert torch.equal(blocks[page, 0, 2, t % 4], h[t])
+        assert torch.isnan(blocks[:, :, :2]).all()  # other layers untouched: NaN
+
+
+def test_assert_spec_close_detects_two_ulps():
+    x = torch.tensor([1.0, 2.0, 3.0], dtype=torch.bfloat16)
+    bits = x.view(torch.int16).clone()
+    bits[1] += 2
+    try:
+        assert_spec_close(bits.view(torch.bfloat16), x)
+    except AssertionError:
+        return
+    raise AssertionError("a 2-ulp difference passed")

@@ -1,0 +1,126 @@
+"""qsa_block_score (SPEC 2.3): reference vs a per-row naive, CPU vs reference, errors."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from test_qsa_cases import DTYPES, assert_spec_close, poisoned
+
+from sparsekv import qsa_block_score
+from sparsekv.kernels.cpu import qsa as cpu_qsa
+from sparsekv.kernels.reference import qsa as ref_qsa
+
+
+def random_case(rng: random.Random, dtype: torch.dtype, *, dim: int | None = None):
+    dim = dim or rng.choice([8, 20, 128])
+    ratio = rng.choice([1, 2, 4, 5])
+    batch = rng.randrange(1, 10)
+    heads = rng.choice([1, 3, 4])
+    max_blocks = rng.randrange(0, 12)
+    rows = [rng.randrange(0, 5) for _ in range(batch)]
+    offsets = torch.tensor([0] + rows).cumsum(0).to(torch.int32)
+    total_q = int(offsets[-1])
+    # positions from 0 up to beyond max_blocks * ratio (visibility clamps at max_blocks)
+    positions = torch.tensor([rng.randrange(0, (max_blocks + 3) * ratio) for _ in range(total_q)], dtype=torch.int32)
+    q = torch.randn(total_q, heads, dim).to(dtype)
+    block_keys = torch.randn(batch * max_blocks, dim).to(dtype)
+    out_cols = max_blocks + rng.choice([0, 0, 3])
+    return {"q": q, "block_keys": block_keys, "positions": positions, "offsets": offsets, "ratio": ratio,
+                "scale": math.sqrt(dim), "out_cols": out_cols}
+
+
+def run_kernel(fn, case):
+    out = poisoned((case["q"].shape[0], case["out_cols"]), torch.float32)
+    fn(out, case["q"], case["block_keys"], case["positions"], case["offsets"], case["ratio"], case["scale"])
+    return out
+
+
+def naive_scores(case):
+    q, keys, offsets = case["q"].double(), case["block_keys"].double(), case["offsets"].tolist()
+    batch = len(offsets) - 1
+    max_blocks = keys.shape[0] // batch
+    out = torch.full((q.shape[0], case["out_cols"]), float("-inf"), dtype=torch.float64)
+    for b in range(batch):
+        for r in range(offsets[b], offsets[b + 1]):
+            visible = min((int(case["positions"][r]) + 1) // case["ratio"], max_blocks)
+            for g in range(visible):
+                dots = q[r] @ keys[b * max_blocks + g]
+                out[r, g] = dots.clamp_min(0).sum() / case["scale"]
+    return out.float()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+def test_reference_matches_naive(dtype):
+    rng = random.Random(200 + DTYPES.index(dtype))
+    for _ in range(10):
+        case = random_case(rng, dtype, dim=rng.choice([8, 20]))
+        assert_spec_close(run_kernel(ref_qsa.qsa_block_score, case), naive_scores(case), what="reference")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+def test_cpu_matches_reference(dtype):
+    rng = random.Random(random.randrange(1 << 30))
+    for _ in range(15):
+        case = random_case(rng, dtype)
+        got = run_kernel(cpu_qsa.qsa_block_score, case)
+        assert_spec_close(got, run_kernel(ref_qsa.qsa_block_score, case), what="cpu vs reference")
+
+
+def test_visibility_and_extra_columns():
+    """Block g is visible iff g*R + R - 1 <= t and g < max_blocks; everything else is -inf."""
+    batch, max_blocks, ratio = 2, 3, 4
+    q = torch.ones(6, 2, 4)
+    keys = torch.ones(batch * max_blocks, 4)
+    offsets = torch.tensor([0, 4, 6])
+    positions = torch.tensor([0, 2, 3, 7, 11, 40])
+    scores = qsa_block_score(q, keys, positions, offsets, ratio=ratio, score_scale=2.0, out_cols=5)
+    finite = torch.isfinite(scores)
+    want_visible = [0, 0, 1, 2, 3, 3]
+    assert finite.sum(dim=1).tolist() == want_visible
+    for r, v in enumerate(want_visible):
+        assert finite[r, :v].all()
+        assert torch.equal(scores[r, :v], torch.full((v,), 4.0))  # 2 heads * relu(4) / 2
+
+
+def test_relu_is_per_head_before_the_sum():
+    q = torch.tensor([[[1.0, 0.0], [-1.0, 0.0]]])  # head 0 dot = +k0, head 1 dot = -k0
+    keys = torch.tensor([[3.0, 5.0]])
+    scores = qsa_block_score(q, keys, torch.tensor([3]), torch.tensor([0, 1]), ratio=4, score_scale=1.0)
+    assert scores.tolist() == [[3.0]]  # relu(3) + relu(-3), not relu(3 - 3)
+
+
+def test_out_argument():
+    rng = random.Random(9)
+    case = random_case(rng, torch.float32)
+    out = poisoned((case["q"].shape[0], case["out_cols"]), torch.float32)
+    got = qsa_block_score(case["q"], case["block_keys"], case["positions"], case["offsets"].long(),
+                          ratio=case["ratio"], score_scale=case["scale"], out=out)
+    assert got is out
+    assert_spec_close(out, naive_scores(case))
+
+
+def test_errors():
+    q, keys = torch.randn(3, 2, 8), torch.randn(4, 8)
+    offsets, positions = torch.tensor([0, 1, 3]), torch.tensor([4, 5, 6])
+    kw = {"ratio": 4, "score_scale": 1.0}
+    with pytest.raises(ValueError, match="out_cols: expected >= max_blocks = 2"):
+        qsa_block_score(q, keys, positions, offsets, out_cols=1, **kw)
+    with pytest.raises(ValueError, match="not a multiple of the batch size 2"):
+        qsa_block_score(q, torch.randn(5, 8), positions, offsets, **kw)
+    with pytest.raises(ValueError, match="width 6 differs"):
+        qsa_block_score(q, torch.randn(4, 6), positions, offsets, **kw)
+    with pytest.raises(TypeError, match="block_keys"):
+        qsa_block_score(q, keys.half(), positions, offsets, **kw)
+    with pytest.raises(ValueError, match="positions >= 0"):
+        qsa_block_score(q, keys, torch.tensor([4, -1, 6]), offsets, **kw)
+    with pytest.raises(ValueError, match="must equal the 3 query rows"):
+        qsa_block_score(q, keys, positions, torch.tensor([0, 1, 2]), **kw)
+    with pytest.raises(ValueError, match="empty batch"):
+        qsa_block_score(q, keys, positions, torch.tensor([0]), **kw)
+    with pytest.raises(ValueError, match="score_scale"):
+        qsa_block_score(q, keys, positions, offsets, ratio=4, score_scale=0.0)
+    with pytest.raises(ValueError, match="query_positions: expected shape"):
+        qsa_block_score(q, keys, positions[:2], offsets, **kw)

@@ -1,0 +1,276 @@
+"""Triton QSA kernels (compress, block score, sparse attention) against the reference.
+
+On a machine without CUDA they run in Triton's interpreter (tests/conftest.py
+sets TRITON_INTERPRET=1), so the shapes are tiny.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparsekv.ops._registry import triton_status
+
+pytestmark = pytest.mark.triton
+if not triton_status()[0]:
+    pytest.skip(f"Triton kernels cannot run here: {triton_status()[1]}", allow_module_level=True)
+
+from sparsekv import rope_freqs_cis
+from sparsekv.kernels.reference import qsa as ref
+from sparsekv.kernels.triton import _common
+from sparsekv.kernels.triton import qsa as tri
+from sparsekv.ops._registry import debug_checks
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def gpu_validation_rules(monkeypatch):
+    """Validate on the host only with SPARSEKV_DEBUG=1, as for CUDA tensors (CPU tensors always validate)."""
+    monkeypatch.setattr(_common, "host_checks", lambda device: debug_checks())
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+# ---- helpers -------------------------------------------------------------
+def assert_spec_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """SPEC 4: fp32 within 1e-5 relative; bf16/fp16 at most one ulp apart and >= 99% equal."""
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    assert torch.equal(torch.isnan(actual), torch.isnan(expected)), "NaN pattern differs"
+    a, e = actual.float().cpu(), expected.float().cpu()
+    if actual.dtype == torch.float32:
+        scale = e[torch.isfinite(e)].abs().max().item() if torch.isfinite(e).any() else 1.0
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5 * max(scale, 1e-30), equal_nan=True)
+        return
+    bits_a = actual.cpu().view(torch.int16).to(torch.int32)
+    bits_e = expected.cpu().view(torch.int16).to(torch.int32)
+    # Map sign-magnitude bit patterns to a monotone integer line, so ulp distance is a difference.
+    ordered_a = torch.where(bits_a < 0, -32768 - bits_a, bits_a)
+    ordered_e = torch.where(bits_e < 0, -32768 - bits_e, bits_e)
+    ulps = (ordered_a - ordered_e).abs()
+    ulps = torch.where((a == 0) & (e == 0), torch.zeros_like(ulps), ulps)  # +0 == -0
+    assert int(ulps.max()) <= 1, f"max ulp distance {int(ulps.max())}"
+    equal = (ulps == 0).float().mean().item()
+    assert equal >= 0.99, f"only {equal:.2%} of elements equal"
+
+
+def poisoned(shape, dtype):
+    return torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+
+
+def make_blocks(num_pages, kv, layers, page_size, heads, dim, dtype, pad, gen):
+    """Random paged blocks; a strided view with ``pad`` extra elements per page when ``pad > 0``."""
+    packed = kv * layers * page_size * heads * dim
+    storage = torch.randn(num_pages * (packed + pad), generator=gen).to(dtype).to(DEVICE)
+    inner = (layers * page_size * heads * dim, page_size * heads * dim, heads * dim, dim, 1)
+    return storage.as_strided((num_pages, kv, layers, page_size, heads, dim), (packed + pad, *inner))
+
+
+def make_table(tokens_per_seq, page_size, num_pages, gen, spare_columns=1):
+    """Distinct random pages for every logical page holding a token; ``-1`` elsewhere."""
+    needed = [(n + page_size - 1) // page_size for n in tokens_per_seq]
+    perm = torch.randperm(num_pages, generator=gen).tolist()
+    table = torch.full((len(tokens_per_seq), max(needed) + spare_columns), -1, dtype=torch.int32)
+    for b, count in enumerate(needed):
+        for i in range(count):
+            table[b, i] = perm.pop()
+    return table.to(DEVICE)
+
+
+def offsets_of(lengths):
+    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+
+
+# ---- compress ------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim,rotary_dim,pad", [(32, 16, 0), (24, 8, 40), (16, 16, 8)])
+def test_compress_matches_reference(dtype, head_dim, rotary_dim, pad):
+    gen = torch.Generator().manual_seed(head_dim * 7 + rotary_dim + pad)
+    ratio, page_size, layers, max_blocks = 4, 8, 3, 7
+    key_counts_list = [23, 0, 3, 40, 9]  # partial block, empty, no block, clamped by max_blocks
+    table = make_table(key_counts_list, page_size, 40, gen)
+    blocks = make_blocks(40, 2, layers, page_size, 1, head_dim, dtype, pad, gen)
+    gamma = (0.3 * torch.randn(head_dim, generator=gen)).to(dtype).to(DEVICE)
+    freqs = rope_freqs_cis(64, rotary_dim, theta=1e4, device=DEVICE)
+    key_counts = torch.tensor(key_counts_list, dtype=torch.int32, device=DEVICE)
+    for layer in (0, 2):
+        expected = poisoned((5 * max_blocks, head_dim), dtype)
+        ref.qsa_compress_keys_paged(expected, gamma, freqs, key_counts, blocks, table, layer, ratio, 1e-6)
+        actual = poisoned((5 * max_blocks, head_dim), dtype)
+        tri.qsa_compress_keys_paged(actual, gamma, freqs, key_counts, blocks, table, layer, ratio, 1e-6)
+        assert_spec_close(actual, expected)
+
+
+def test_compress_bf16_bit_exact_ratio3():
+    gen = torch.Generator().manual_seed(11)
+    ratio, page_size, head_dim = 3, 4, 32
+    counts = [17, 12]
+    table = make_table(counts, page_size, 12, gen)
+    blocks = make_blocks(12, 2, 1, page_size, 1, head_dim, torch.bfloat16, 0, gen)
+    gamma = torch.randn(head_dim, generator=gen).to(torch.bfloat16).to(DEVICE)
+    freqs = rope_freqs_cis(32, 16, device=DEVICE)
+    key_counts = torch.tensor(counts, dtype=torch.int32, device=DEVICE)
+    expected, actual = poisoned((12, head_dim), torch.bfloat16), poisoned((12, head_dim), torch.bfloat16)
+    ref.qsa_compress_keys_paged(expected, gamma, freqs, key_counts, blocks, table, 0, ratio, 1e-6)
+    tri.qsa_compress_keys_paged(actual, gamma, freqs, key_counts, blocks, table, 0, ratio, 1e-6)
+    assert_spec_close(actual, expected)
+
+
+def test_compress_missing_page_masked_and_debug_raises(monkeypatch):
+    gpu_validation_rules(monkeypatch)
+    gen = torch.Generator().manual_seed(12)
+    ratio, page_size, head_dim = 4, 4, 16
+    table = make_table([12, 8], page_size, 8, gen)
+    table[0, 1] = -1  # block 1 of sequence 0 has no page
+    blocks = make_blocks(8, 2, 1, page_size, 1, head_dim, torch.float32, 0, gen)
+    gamma = torch.zeros(head_dim, device=DEVICE)
+    freqs = rope_freqs_cis(16, 16, device=DEVICE)
+    key_counts = torch.tensor([12, 8], dtype=torch.int32, device=DEVICE)
+    actual = poisoned((6, head_dim), torch.float32)
+    tri.qsa_compress_keys_paged(actual, gamma, freqs, key_counts, blocks, table, 0, ratio, 1e-6)
+    assert torch.equal(actual[1], torch.zeros_like(actual[1]))  # absent keys pool to zero
+    good = table.clone()
+    good[0, 1] = 0  # any page: block 1 is left out of the comparison
+    expected = poisoned((6, head_dim), torch.float32)
+    ref.qsa_compress_keys_paged(expected, gamma, freqs, key_counts, blocks, good, 0, ratio, 1e-6)
+    assert_spec_close(actual[[0, 2, 3, 4, 5]], expected[[0, 2, 3, 4, 5]])
+    monkeypatch.setenv("SPARSEKV_DEBUG", "1")
+    with pytest.raises(ValueError, match="sequence 0, position 4"):
+        tri.qsa_compress_keys_paged(actual, gamma, freqs, key_counts, blocks, table, 0, ratio, 1e-6)
+
+
+# ---- block score ---------------------------------------------------------
+def score_batch(lengths, cache_lengths, gen):
+    positions = torch.cat([torch.arange(c, c + n) for c, n in zip(cache_lengths, lengths)]).to(torch.int32)
+    return positions.to(DEVICE), offsets_of(lengths)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lengths,cache_lengths", [([1, 1, 1], [37, 2, 60]), ([19, 0, 5], [0, 3, 30])])
+def test_block_score_matches_reference(dtype, lengths, cache_lengths):
+    gen = torch.Generator().manual_seed(sum(lengths) + len(cache_lengths))
+    heads, head_dim, ratio, max_blocks, out_cols = 4, 32, 4, 9, 12
+    positions, offsets = score_batch(lengths, cache_lengths, gen)
+    q = torch.randn(positions.shape[0], heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+    keys = torch.randn(len(lengths) * max_blocks, head_dim, generator=gen).to(dtype).to(DEVICE)
+    expected = poisoned((positions.shape[0], out_cols), torch.float32)
+    ref.qsa_block_score(expected, q, keys, positions, offsets, ratio, head_dim**0.5)
+    actual = poisoned((positions.shape[0], out_cols), torch.float32)
+    tri.qsa_block_score(actual, q, keys, positions, offsets, ratio, head_dim**0.5)
+    assert torch.equal(torch.isinf(actual), torch.isinf(expected))
+    assert_spec_close(actual, expected)
+
+
+def test_block_score_many_heads_and_strided_q():
+    gen = torch.Generator().manual_seed(3)
+    heads, head_dim, ratio, max_blocks = 5, 16, 2, 40
+    positions, offsets = score_batch([3, 2], [70, 9], gen)
+    q = torch.randn(5, heads, head_dim + 4, generator=gen).to(DEVICE)[:, :, 2:-2]
+    keys = torch.randn(2 * max_blocks, head_dim, generator=gen).to(DEVICE)
+    expected, actual = poisoned((5, 37), torch.float32), poisoned((5, 37), torch.float32)
+    ref.qsa_block_score(expected, q, keys, positions, offsets, ratio, 3.0)
+    tri.qsa_block_score(actual, q, keys, positions, offsets, ratio, 3.0)
+    assert torch.equal(torch.isinf(actual), torch.isinf(expected))
+    assert_spec_close(actual, expected)
+
+
+# ---- sparse attention ----------------------------------------------------
+def attention_inputs(dtype, gen, *, pad=0, layers=2, with_gate=False):
+    page_size, kv_heads, group, head_dim = 4, 2, 3, 32
+    cached = [13, 6, 21]
+    rows = [2, 1, 3]
+    table = make_table(cached, page_size, 20, gen)
+    blocks = make_blocks(20, 2, layers, page_size, kv_heads, head_dim, dtype, pad, gen)
+    total_q, width = sum(rows), 11
+    seq_of_row = torch.repeat_interleave(torch.arange(3), torch.tensor(rows))
+    indices = torch.full((total_q, width), -1, dtype=torch.int32)
+    counts = torch.tensor([5, 0, 11, 7, -2, 3], dtype=torch.int32)
+    garbage = torch.tensor([-1, 10**6, -7], dtype=torch.int32)[torch.arange(width) % 3]
+    for r in range(total_q):
+        n = cached[int(seq_of_row[r])]
+        indices[r] = torch.randint(0, n, (width,), generator=gen, dtype=torch.int32)  # duplicates happen
+        valid = max(int(counts[r]), 0)
+        indices[r, valid:] = garbage[valid:]  # entries past counts are never read
+    q = torch.randn(total_q, kv_heads * group, head_dim, generator=gen).to(dtype).to(DEVICE)
+    gate = torch.randn(q.shape, generator=gen).to(dtype).to(DEVICE) if with_gate else None
+    return {"q": q, "blocks": blocks, "lookup_table": table, "indices": indices.to(DEVICE),
+            "counts": counts.to(DEVICE), "input_row_offsets": offsets_of(rows), "gate": gate}
+
+
+def run_attention(module, args, layer, scale):
+    q = args["q"]
+    out = poisoned(q.shape, q.dtype)
+    lse = poisoned(q.shape[:2], torch.float32)
+    module.qsa_sparse_attention_paged(out, lse, q, args["blocks"], args["lookup_table"], args["indices"],
+                                      args["counts"], args["input_row_offsets"], layer, scale, args["gate"])
+    return out, lse
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_gate", [False, True])
+def test_sparse_attention_matches_reference(dtype, with_gate):
+    gen = torch.Generator().manual_seed(21 + DTYPES.index(dtype) + 10 * with_gate)
+    args = attention_inputs(dtype, gen, pad=12, with_gate=with_gate)
+    for layer in (0, 1):
+        expected_out, expected_lse = run_attention(ref, args, layer, 0.3)
+        out, lse = run_attention(tri, args, layer, 0.3)
+        assert_spec_close(out, expected_out)
+        assert torch.equal(torch.isinf(lse), torch.isinf(expected_lse))
+        assert_spec_close(lse, expected_lse)
+        assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.equal(out[4], torch.zeros_like(out[4]))
+
+
+def test_sparse_attention_invalid_entries_are_skipped_and_debug_raises(monkeypatch):
+    gpu_validation_rules(monkeypatch)
+    gen = torch.Generator().manual_seed(5)
+    args = attention_inputs(torch.float32, gen)
+    indices, counts = args["indices"].clone(), args["counts"]
+    indices[0, 1] = -1  # row 0 (counts 5): a -1 inside the counted region
+    indices[2, 4] = 10**5  # row 2: beyond the lookup table
+    out, lse = run_attention(tri, {**args, "indices": indices}, 0, 0.5)
+    # Same as attending without those entries.
+    dropped = indices.clone()
+    dropped[0, 1:-1] = indices[0, 2:].clone()
+    dropped[2, 4:-1] = indices[2, 5:].clone()
+    fewer = counts.clone()
+    fewer[0] -= 1
+    fewer[2] -= 1
+    expected_out, expected_lse = run_attention(ref, {**args, "indices": dropped, "counts": fewer}, 0, 0.5)
+    assert_spec_close(out, expected_out)
+    assert_spec_close(lse, expected_lse)
+    monkeypatch.setenv("SPARSEKV_DEBUG", "1")
+    with pytest.raises(ValueError, match="row 0, entry 1"):
+        run_attention(tri, {**args, "indices": indices}, 0, 0.5)
+
+
+def test_sparse_attention_all_entries_invalid_gives_zero_row(monkeypatch):
+    gpu_validation_rules(monkeypatch)
+    gen = torch.Generator().manual_seed(6)
+    args = attention_inputs(torch.bfloat16, gen)
+    indices = args["indices"].clone()
+    indices[3] = -1
+    out, lse = run_attention(tri, {**args, "indices": indices}, 1, 0.5)
+    assert torch.equal(out[3], torch.zeros_like(out[3]))
+    assert bool(torch.isneginf(lse[3]).all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sparse_attention_split_rows_match_reference(dtype, monkeypatch):
+    from sparsekv.kernels.triton import _attention
+
+    monkeypatch.setattr(_attention, "PROGRAMS_PER_SM", 1000)  # force the split + merge path
+    assert _attention.num_splits(4, 1, 300, 64, torch.device(DEVICE)) > 1 or DEVICE == "cuda"
+    gen = torch.Generator().manual_seed(40 + DTYPES.index(dtype))
+    page_size, head_dim, cached, width = 16, 32, [200, 90], 300
+    table = make_table(cached, page_size, 24, gen)
+    blocks = make_blocks(24, 2, 1, page_size, 1, head_dim, dtype, 0, gen)
+    seq_of_row = [0, 0, 1, 1]
+    indices = torch.stack([torch.randint(0, cached[b], (width,), generator=gen) for b in seq_of_row])
+    counts = torch.tensor([300, 150, 0, 61], dtype=torch.int32)
+    args = {"q": torch.randn(4, 4, head_dim, generator=gen).to(dtype).to(DEVICE), "blocks": blocks,
+            "lookup_table": table, "indices": indices.to(torch.int32).to(DEVICE), "counts": counts.to(DEVICE),
+            "input_row_offsets": offsets_of([2, 2]),
+            "gate": torch.randn(4, 4, head_dim, generator=gen).to(dtype).to(DEVICE)}
+    expected_out, expected_lse = run_attention(ref, args, 0, 0.2)
+    out, lse = run_attention(tri, args, 0, 0.2)
+    assert_spec_close(out, expected_out)
+    assert torch.equal(torch.isinf(lse), torch.isinf(expected_lse))
+    assert_spec_close(lse, expected_lse)
