@@ -10,6 +10,7 @@ from test_qsa_cases import DTYPES, assert_spec_close, build_paged_cache, make_co
 
 import sparsekv
 from sparsekv import qsa_compress_keys_paged, rope_freqs_cis
+from sparsekv.kernels.cpu._bits import bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16
 from sparsekv.kernels.cpu import qsa as cpu_qsa
 from sparsekv.kernels.reference import qsa as ref_qsa
 
@@ -105,11 +106,11 @@ def test_half_precision_bit_conversions_match_torch():
     @numba.njit
     def roundtrip(bf16_bits, f16_bits, values, widened_bf16, widened_f16, narrowed_bf16, narrowed_f16):
         for i in range(bf16_bits.shape[0]):
-            widened_bf16[i] = cpu_qsa._bf16_to_f32(bf16_bits[i])
-            widened_f16[i] = cpu_qsa._f16_to_f32(f16_bits[i])
+            widened_bf16[i] = bf16_to_f32(bf16_bits[i])
+            widened_f16[i] = f16_to_f32(f16_bits[i])
         for i in range(values.shape[0]):
-            narrowed_bf16[i] = cpu_qsa._f32_to_bf16(values[i])
-            narrowed_f16[i] = cpu_qsa._f32_to_f16(values[i])
+            narrowed_bf16[i] = f32_to_bf16(values[i])
+            narrowed_f16[i] = f32_to_f16(values[i])
 
     patterns = torch.arange(65536, dtype=torch.int32).to(torch.int16)
     random_bits = torch.randint(-(2**31), 2**31 - 1, (200_000,), dtype=torch.int64).to(torch.int32)

@@ -99,6 +99,17 @@ def test_compress_matches_reference(dtype, head_dim, rotary_dim, pad):
         assert_spec_close(actual, expected)
 
 
+def assert_bit_exact(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """The same bits everywhere, except that NaN payloads may differ (NaN must still meet NaN)."""
+    assert torch.equal(torch.isnan(actual), torch.isnan(expected)), "NaN pattern differs"
+    bits = {1: torch.int8, 2: torch.int16, 4: torch.int32}[actual.element_size()]
+    a, e = actual.cpu().view(bits), expected.cpu().view(bits)
+    differ = (a != e) & ~torch.isnan(expected.cpu())
+    assert not bool(differ.any()), (
+        f"{int(differ.sum())} of {differ.numel()} elements differ in their bits, first at "
+        f"{torch.nonzero(differ)[0].tolist()}: {actual.cpu()[differ][:4].tolist()} vs {expected.cpu()[differ][:4].tolist()}")
+
+
 def test_compress_bf16_bit_exact_ratio3():
     gen = torch.Generator().manual_seed(11)
     ratio, page_size, head_dim = 3, 4, 32
@@ -111,7 +122,110 @@ def test_compress_bf16_bit_exact_ratio3():
     expected, actual = poisoned((12, head_dim), torch.bfloat16), poisoned((12, head_dim), torch.bfloat16)
     ref.qsa_compress_keys_paged(expected, gamma, freqs, key_counts, blocks, table, 0, ratio, 1e-6)
     tri.qsa_compress_keys_paged(actual, gamma, freqs, key_counts, blocks, table, 0, ratio, 1e-6)
-    assert_spec_close(actual, expected)
+    assert_bit_exact(actual, expected)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # bf16 squares overflowing on purpose
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim,rotary_dim,ratio", [(64, 32, 4), (40, 24, 3), (128, 64, 2)])
+def test_compress_bit_exact_with_large_magnitudes(dtype, head_dim, rotary_dim, ratio):
+    """Every rounding point and summation order is the reference's, so bf16/fp16 outputs agree bit for bit.
+
+    Keys whose magnitudes spread over many binades (per token and per channel)
+    make the RMSNorm sum of squares round at almost every add, so a sum taken
+    in another order than channel by channel shows up in the normed key; bf16
+    keys also reach magnitudes whose squares overflow fp32 (the key is then
+    normed to zero). A float64 ``freqs_cis`` table is rounded as the
+    reference rounds it.
+    """
+    gen = torch.Generator().manual_seed(1000 + head_dim + ratio + (dtype == torch.float16))
+    page_size, max_blocks, num_pages = 8, 24, 40
+    counts = [ratio * 24 + 1, ratio * 17, ratio * 9 + ratio - 1]
+    table = make_table(counts, page_size, num_pages, gen)
+    blocks = make_blocks(num_pages, 2, 2, page_size, 1, head_dim, torch.float32, 0, gen)
+    exponent_range = 4.0 if dtype == torch.float16 else 24.0  # fp16 tops out at 65504
+    token_scale = 10 ** ((torch.rand(num_pages, 1, 2, page_size, 1, 1, generator=gen) * 2 - 1) * exponent_range)
+    channel_scale = 10 ** ((torch.rand(head_dim, generator=gen) * 2 - 1) * exponent_range / 4)
+    blocks = (blocks * token_scale * channel_scale).clamp(-6e4, 6e4) if dtype == torch.float16 else (
+        blocks * token_scale * channel_scale)
+    blocks = blocks.to(dtype).to(DEVICE)
+    gamma = (0.5 * torch.randn(head_dim, generator=gen)).to(DEVICE)
+    key_counts = torch.tensor(counts, dtype=torch.int32, device=DEVICE)
+    for freqs_dtype, layer in ((torch.float32, 1), (torch.float64, 0)):
+        freqs = rope_freqs_cis(ratio * max_blocks, rotary_dim, theta=1e4, dtype=freqs_dtype, device=DEVICE)
+        expected = poisoned((len(counts) * max_blocks, head_dim), dtype)
+        ref.qsa_compress_keys_paged(expected, gamma, freqs, key_counts, blocks, table, layer, ratio, 1e-6)
+        actual = poisoned((len(counts) * max_blocks, head_dim), dtype)
+        tri.qsa_compress_keys_paged(actual, gamma, freqs, key_counts, blocks, table, layer, ratio, 1e-6)
+        assert_bit_exact(actual, expected)
+
+
+def sequential_inv_rms(keys: torch.Tensor, eps: float) -> torch.Tensor:
+    """``1/sqrt(sum_d x_d^2 / D + eps)`` per row of fp32 ``keys [N, D]``, the squares added in channel order."""
+    squares = torch.zeros(keys.shape[0])
+    for d in range(keys.shape[1]):
+        squares = squares + keys[:, d] * keys[:, d]
+    return torch.rsqrt(squares / keys.shape[1] + eps)
+
+
+def gamma_flipping_rounding(key: torch.Tensor, inv_rms: torch.Tensor, other_inv_rms: torch.Tensor,
+                            dtype: torch.dtype) -> float | None:
+    """A gamma for which ``key * inv_rms * (1 + gamma)`` rounds to ``dtype`` differently than with ``other_inv_rms``.
+
+    Scans ``1 + gamma`` over consecutive fp32 values from 1 up; ``None`` if none of them does.
+    """
+    factors = 1.0 + torch.arange(1 << 17, dtype=torch.float32) * 2.0**-23
+    rounded = (key * inv_rms * factors).to(dtype)
+    other = (key * other_inv_rms * factors).to(dtype)
+    hits = torch.nonzero(rounded != other)
+    return None if hits.numel() == 0 else float(factors[hits[0, 0]] - 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_compress_one_ulp_of_the_sum_of_squares_shows(dtype):
+    """An RMSNorm scale one fp32 ulp away from the reference's changes the output, and the kernel's does not.
+
+    Each block (``ratio = 1``: the block key is the raw key) gets two
+    pass-through channels whose gamma puts the normed value right at a
+    rounding boundary: one flips when the scale is one ulp larger, the other
+    when it is one ulp smaller. So a sum of squares taken in any order that
+    moves the scale by even one ulp fails the bit-exact comparison. The blocks
+    are chosen among random keys as those whose sum of squares a tree
+    reduction (``torch.sum``) does round differently.
+    """
+    gen = torch.Generator().manual_seed(77 + (dtype == torch.float16))
+    head_dim, rotary_dim, page_size, eps = 128, 2, 8, 1e-6
+    spread = 2.0 if dtype == torch.float16 else 6.0
+    candidates = torch.randn(4000, head_dim, generator=gen) * 10 ** (
+        (torch.rand(4000, 1, generator=gen) * 2 - 1) * spread + torch.rand(head_dim, generator=gen) * 2 - 1)
+    candidates = candidates.to(dtype).float()
+    inv_rms = sequential_inv_rms(candidates, eps)
+    tree_inv_rms = torch.rsqrt((candidates * candidates).sum(1) / head_dim + eps)
+    sensitive = candidates[inv_rms != tree_inv_rms][: (head_dim - rotary_dim) // 2]
+    assert sensitive.shape[0] >= 16, "too few random keys whose sum of squares depends on the order"
+    keys, inv_rms = sensitive, sequential_inv_rms(sensitive, eps)
+    gamma = 0.1 * torch.randn(head_dim, generator=gen)
+    crafted = 0
+    for k in range(keys.shape[0]):
+        for channel, direction in ((rotary_dim + 2 * k, 1.0), (rotary_dim + 2 * k + 1, -1.0)):
+            neighbour = torch.nextafter(inv_rms[k], torch.tensor(direction * float("inf")))
+            flip = gamma_flipping_rounding(keys[k, channel], inv_rms[k], neighbour, dtype)
+            if flip is not None and keys[k, channel] != 0:
+                gamma[channel] = flip
+                crafted += 1
+    assert crafted >= keys.shape[0], f"only {crafted} channels could be put on a rounding boundary"
+    num_blocks = keys.shape[0]
+    table = make_table([num_blocks], page_size, num_blocks // page_size + 2, gen)
+    blocks = torch.zeros(table.shape[1] + 1, 2, 1, page_size, 1, head_dim, dtype=dtype)
+    for position in range(num_blocks):
+        blocks[int(table[0, position // page_size]), 0, 0, position % page_size, 0] = keys[position].to(dtype)
+    blocks = blocks.to(DEVICE)
+    freqs = rope_freqs_cis(num_blocks, rotary_dim, device=DEVICE)
+    key_counts = torch.tensor([num_blocks], dtype=torch.int32, device=DEVICE)
+    expected, actual = poisoned((num_blocks, head_dim), dtype), poisoned((num_blocks, head_dim), dtype)
+    ref.qsa_compress_keys_paged(expected, gamma.to(DEVICE), freqs, key_counts, blocks, table, 0, 1, eps)
+    tri.qsa_compress_keys_paged(actual, gamma.to(DEVICE), freqs, key_counts, blocks, table, 0, 1, eps)
+    assert_bit_exact(actual, expected)
 
 
 def test_compress_missing_page_masked_and_debug_raises(monkeypatch):

@@ -10,11 +10,12 @@ What each kernel is made of, and why (measured with ``benchmarks/bench_kpool.py`
   (``@njit(parallel=True, cache=True)``, ``prange`` over chunks of pools) that
   reads each member row once, keeps the pool in registers/L1 and writes the
   pooled key. The vectorised-torch reference materialises ~10 float32
-  temporaries of the members (4x the input bytes each). bf16 is handled as raw
-  ``uint16`` bits (numba has no bf16): widened by a 16-bit shift, rounded back
-  to nearest-even by integer arithmetic. fp16 (which numba cannot load either)
-  goes through a torch float32 copy of the inputs and a torch cast of the
-  output: exact, only slower.
+  temporaries of the members (4x the input bytes each). Pooled keys are
+  rounded to bf16/fp16 in the kernel, by integer arithmetic on their raw
+  16-bit patterns (numba has neither type; :mod:`._bits`), exactly as torch
+  casts. bf16 members are widened there too (a 16-bit shift); fp16 members
+  are widened by torch first, which is several times faster than numba's
+  integer path for fp16.
 * ``exp``: the contract is the float32 rounding of a float64 exp. The kernel
   evaluates it with a branch-free Cody-Waite reduction and a degree-13
   polynomial in float64 (error ~1e-16 relative, so its float32 rounding equals
@@ -23,7 +24,7 @@ What each kernel is made of, and why (measured with ``benchmarks/bench_kpool.py`
   ``error_model="numpy"`` keeps float division free of Python's zero check,
   which would otherwise stop vectorisation.
 * threads: a parallel region costs a barrier, milliseconds on oversubscribed
-  cores, so calls with fewer than 1024 pools per thread stay on one thread.
+  cores, so a call gets one thread per 1024 pools (at least one).
 * mode last, seed tail: pure gathers/scatters, already memory-bound in torch.
 * score: the work is a (pools x D) @ (D x heads) product per sequence, which
   BLAS does best: a page-wise gather of each sequence's visible pooled keys
@@ -42,11 +43,13 @@ import numpy as np
 import torch
 from llvmlite import ir
 from numba import types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from ...cache.layout import resolve_pages
 from ..reference.kpool import compress_member_rows
 from ..reference.kpool import mla_kpool_seed_tail as mla_kpool_seed_tail  # scatter of whole rows: memory-bound
+from ._bits import as_numba, narrow, widen
+from ._parallel import numba_threads
 
 _MODE_SOFTMAX, _MODE_MEAN = 0, 1
 _POOLS_PER_TASK = 64  # pools per prange task: enough work to amortise scheduling, small scratch
@@ -134,68 +137,53 @@ def _pool_one(kf, gf, ape, mode, logits, exps, denom, out):
             out[d] = out[d] + (exps[m, d] / denom[d]) * kf[m, d]
 
 
+def _pool_members(k, gate, start, kpool, k_scratch, gate_scratch):
+    """Rows ``start .. start+kpool-1`` of ``k`` and ``gate`` as float32 ``[kpool, D]`` (numba only).
+
+    float32 arrays give their own rows; bf16/fp16 bits are widened into the
+    scratch arrays, both in one loop (two loops are measurably slower).
+    """
+    raise NotImplementedError
+
+
+@overload(_pool_members, inline="always")
+def _pool_members_overload(k, gate, start, kpool, k_scratch, gate_scratch):
+    if k.dtype == types.float32:
+        return lambda k, gate, start, kpool, k_scratch, gate_scratch: (k[start : start + kpool],
+                                                                       gate[start : start + kpool])
+
+    def widen_members(k, gate, start, kpool, k_scratch, gate_scratch):
+        for m in range(kpool):
+            for d in range(k.shape[1]):
+                k_scratch[m, d] = widen(k[start + m, d])
+                gate_scratch[m, d] = widen(gate[start + m, d])
+        return k_scratch, gate_scratch
+
+    return widen_members
+
+
 @numba.njit(parallel=True, cache=True, error_model="numpy")
-def _pools_f32_kernel(out, k, gate, ape, starts, mode):
-    """float32: ``out[i] = pool(k[starts[i] : starts[i] + kpool], gate[...])``."""
+def _pools_kernel(out, k, gate, ape, starts, mode):
+    """``out[i] = pool(k[starts[i] : starts[i] + kpool], gate[...])``; 16-bit arrays as bits (``as_numba``).
+
+    A pool's members are pooled in float32 (16-bit ones widened into scratch
+    first) and rounded once, to nearest even, on the way out.
+    """
     kpool, dim = ape.shape
     num = starts.shape[0]
     tasks = (num + _POOLS_PER_TASK - 1) // _POOLS_PER_TASK
     for task in numba.prange(tasks):
-        logits = np.empty((kpool, dim), np.float32)
-        exps = np.empty((kpool, dim), np.float32)
-        denom = np.empty(dim, np.float32)
-        for i in range(task * _POOLS_PER_TASK, min(num, (task + 1) * _POOLS_PER_TASK)):
-            r0 = starts[i]
-            _pool_one(k[r0: r0 + kpool], gate[r0: r0 + kpool], ape, mode, logits, exps, denom, out[i])
-
-
-@numba.njit(parallel=True, cache=True, error_model="numpy")
-def _pools_bf16_kernel(out_bits, k_bits, gate_bits, ape, starts, mode):
-    """bf16 as uint16 bits: widen by ``<< 16``, pool in float32, round to nearest even on the way back."""
-    kpool, dim = ape.shape
-    num = starts.shape[0]
-    tasks = (num + _POOLS_PER_TASK - 1) // _POOLS_PER_TASK
-    for task in numba.prange(tasks):
-        k_wide = np.empty((kpool, dim), np.uint32)
-        gate_wide = np.empty((kpool, dim), np.uint32)
-        kf = k_wide.view(np.float32)
-        gf = gate_wide.view(np.float32)
+        kf = np.empty((kpool, dim), np.float32)
+        gf = np.empty((kpool, dim), np.float32)
         logits = np.empty((kpool, dim), np.float32)
         exps = np.empty((kpool, dim), np.float32)
         denom = np.empty(dim, np.float32)
         pooled = np.empty(dim, np.float32)
-        pooled_bits = pooled.view(np.uint32)
         for i in range(task * _POOLS_PER_TASK, min(num, (task + 1) * _POOLS_PER_TASK)):
-            r0 = starts[i]
-            for m in range(kpool):
-                for d in range(dim):
-                    k_wide[m, d] = np.uint32(k_bits[r0 + m, d]) << np.uint32(16)
-                    gate_wide[m, d] = np.uint32(gate_bits[r0 + m, d]) << np.uint32(16)
-            _pool_one(kf, gf, ape, mode, logits, exps, denom, pooled)
+            members_k, members_gate = _pool_members(k, gate, starts[i], kpool, kf, gf)
+            _pool_one(members_k, members_gate, ape, mode, logits, exps, denom, pooled)
             for d in range(dim):
-                bits = pooled_bits[d]
-                rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-                is_nan = (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
-                out_bits[i, d] = np.uint16(np.uint32(0x7FC0) if is_nan else rounded)
-
-
-def _launch(kernel, num_pools: int, *args) -> None:
-    """Run a ``prange`` kernel on as many threads as its size pays for.
-
-    A parallel region costs a thread wake-up and a barrier: microseconds on
-    idle cores, milliseconds when the cores are oversubscribed. Decode-sized
-    calls (a few pools per sequence) therefore run on the calling thread.
-    """
-    available = numba.get_num_threads()
-    wanted = max(1, min(available, num_pools // _POOLS_PER_THREAD))
-    if wanted == available:
-        kernel(*args)
-        return
-    numba.set_num_threads(wanted)
-    try:
-        kernel(*args)
-    finally:
-        numba.set_num_threads(available)
+                out[i, d] = narrow(pooled[d], out)
 
 
 def _pool_rows(out: torch.Tensor, k: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor,
@@ -208,25 +196,14 @@ def _pool_rows(out: torch.Tensor, k: torch.Tensor, gate: torch.Tensor, ape: torc
         out.copy_(k[starts.to(torch.int64) + kpool - 1])
         return
     code = _MODE_SOFTMAX if mode == "softmax" else _MODE_MEAN
-    starts_np = starts.to(torch.int64).numpy()
-    ape_np = ape.contiguous().numpy()
-    if k.dtype == torch.bfloat16:
-        target = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
-        _launch(_pools_bf16_kernel, out.shape[0], _bf16_bits(target), _bf16_bits(k.contiguous()),
-                _bf16_bits(gate.contiguous()), ape_np, starts_np, code)
-    else:
-        # fp16 (no numba type) goes through float32 copies; float32 tensors pass as they are.
-        wide = out.dtype == torch.float32 and out.is_contiguous()
-        target = out if wide else torch.empty(out.shape, dtype=torch.float32)
-        _launch(_pools_f32_kernel, out.shape[0], target.numpy(), k.float().contiguous().numpy(),
-                gate.float().contiguous().numpy(), ape_np, starts_np, code)
+    if k.dtype == torch.float16:  # see the module docstring: torch widens fp16 faster
+        k, gate = k.float(), gate.float()
+    target = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
+    with numba_threads(out.shape[0] // _POOLS_PER_THREAD):
+        _pools_kernel(as_numba(target), as_numba(k.contiguous()), as_numba(gate.contiguous()),
+                      ape.contiguous().numpy(), starts.to(torch.int64).numpy(), code)
     if target is not out:
-        out.copy_(target)  # fp16: the one rounding, as in the reference
-
-
-def _bf16_bits(t: torch.Tensor) -> np.ndarray:
-    """A contiguous bf16 tensor's storage as a uint16 numpy array (no copy)."""
-    return t.view(torch.int16).numpy().view(np.uint16)
+        out.copy_(target)
 
 
 def mla_kpool_compress(pooled, k, gate, ape, input_row_offsets, pool_row_offsets, cache_lengths, kpool, mode):

@@ -21,9 +21,9 @@ What each kernel is made of, and why (measured with ``benchmarks/bench_qsa.py``)
   score) and computes the whole query group's logits, softmax and ``P @ V`` in
   float32. Nothing is materialised; dense SDPA would read the whole history.
 
-bf16 and fp16 tensors enter numba as their raw 16-bit patterns (``uint16``
-for bf16, ``int16`` for fp16; numba has neither type) and are widened and
-rounded to nearest-even with integer arithmetic, exactly as torch casts. With
+bf16 and fp16 tensors enter numba as their raw 16-bit patterns and are
+widened and rounded to nearest-even with integer arithmetic, exactly as torch
+casts (:mod:`._bits`). With
 ``fastmath=False`` LLVM neither reorders sums nor fuses multiply-adds, so
 compress equals the reference bit for bit. Inner loops index contiguous slices
 with ``range`` indices: numba's negative-index handling of computed indices
@@ -32,139 +32,27 @@ would stop LLVM from vectorising them.
 Validation (missing pages, ``-1`` inside a counted region, short ``freqs_cis``)
 runs before a kernel starts, so a kernel never reads through an invalid page.
 It runs as numba loops rather than torch ops, and small inputs run on one
-thread (``threads_for``): torch's and numba's thread pools otherwise fight for
-the cores around every small call.
+thread (:func:`._parallel.threads_for`): torch's and numba's thread pools
+otherwise fight for the cores around every small call.
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import numba
 import numpy as np
 import torch
-from numba import prange, types
-from numba.extending import overload, register_jitable
+from numba import prange
 
-_JIT = {"parallel": True, "cache": True, "fastmath": False, "nogil": True}
+from ._bits import as_numba, narrow, widen
+from ._parallel import PARALLEL_JIT, threads_for
+
 _KEYS_PER_TASK = 128  # block keys per block-score task: enough work per task, little scratch
 _ROWS_PER_TASK = 64  # block-key rows per compress task
 _ROWS_PER_GROUP = 8  # block keys whose RMSNorm sums run interleaved
 _TOKENS_PER_CHUNK = 64  # selected tokens whose keys sparse attention transposes at once
-_PARALLEL_MIN_WORK = 1 << 22  # below this many multiply-adds / elements, one thread
-
-
-# ---- 16-bit floats as bits --------------------------------------------------------
-
-# Bit arithmetic runs on int64 (numba widens mixed uint32 arithmetic to 64 bits
-# anyway); a result is cast to uint32 right before it is reinterpreted as float32.
-
-@register_jitable
-def _bf16_to_f32(bits):
-    return np.uint32(np.int64(np.uint16(bits)) << 16).view(np.float32)
-
-
-@register_jitable
-def _f32_to_bf16(value):
-    bits = np.int64(np.float32(value).view(np.uint32))
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-    return np.uint16(0x7FC0 if (bits & 0x7FFFFFFF) > 0x7F800000 else rounded)  # NaN as torch writes it
-
-
-@register_jitable
-def _f16_to_f32(bits):
-    h = np.int64(np.uint16(bits))
-    sign = (h & 0x8000) << 16
-    exponent = (h >> 10) & 0x1F
-    mantissa = h & 0x3FF
-    if exponent == 0:  # zero or subnormal: mantissa * 2**-24, exact in float32
-        magnitude = np.float32(mantissa) * np.float32(5.9604644775390625e-08)
-        return -magnitude if sign else magnitude
-    if exponent == 31:
-        return np.uint32(sign | 0x7F800000 | (mantissa << 13)).view(np.float32)
-    return np.uint32(sign | ((exponent + 112) << 23) | (mantissa << 13)).view(np.float32)
-
-
-@register_jitable
-def _f32_to_f16(value):
-    bits = np.int64(np.float32(value).view(np.uint32))
-    sign = (bits >> 16) & 0x8000
-    magnitude = bits & 0x7FFFFFFF
-    if magnitude > 0x7F800000:
-        return np.int16(np.uint16(sign | 0x7E00))  # NaN
-    if magnitude >= 0x47800000:  # >= 65536 (or inf): inf
-        return np.int16(np.uint16(sign | 0x7C00))
-    if magnitude < 0x38800000:  # below 2**-14: subnormal half, round(|x| * 2**24) to even
-        scaled = np.int64(np.rint(abs(np.float32(value)) * np.float32(16777216.0)))
-        return np.int16(np.uint16(sign | scaled))
-    mantissa = magnitude & 0x7FFFFF
-    half = (((magnitude >> 23) - 112) << 10) | (mantissa >> 13)
-    rest = mantissa & 0x1FFF
-    if rest > 0x1000 or (rest == 0x1000 and (half & 1)):
-        half += 1  # a carry into the exponent is right, up to inf
-    return np.int16(np.uint16(sign | half))
-
-
-def _widen(x):
-    """Element of a bf16 (uint16 bits), fp16 (int16 bits) or float array -> float32."""
-    raise NotImplementedError
-
-
-@overload(_widen)
-def _widen_overload(x):
-    if x == types.uint16:
-        return lambda x: _bf16_to_f32(x)
-    if x == types.int16:
-        return lambda x: _f16_to_f32(x)
-    if isinstance(x, types.Float):
-        return lambda x: np.float32(x)
-    return None
-
-
-def _narrow(value, like):
-    """float32 -> the element type of ``like`` (an array), rounded to nearest even."""
-    raise NotImplementedError
-
-
-@overload(_narrow)
-def _narrow_overload(value, like):
-    if like.dtype == types.uint16:
-        return lambda value, like: _f32_to_bf16(value)
-    if like.dtype == types.int16:
-        return lambda value, like: _f32_to_f16(value)
-    if like.dtype == types.float32:
-        return lambda value, like: np.float32(value)
-    return None
-
-
-def as_numba(t: torch.Tensor) -> np.ndarray:
-    """A numpy view of ``t``: bf16 as uint16 bits, fp16 as int16 bits, other dtypes as they are."""
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.uint16).numpy()
-    if t.dtype == torch.float16:
-        return t.view(torch.int16).numpy()
-    return t.numpy()
 
 
 # ---- compress -------------------------------------------------------------------------
-
-@contextlib.contextmanager
-def threads_for(work: int):
-    """Run numba's parallel loops on one thread when ``work`` (multiply-adds or elements) is small.
-
-    Starting a parallel region costs more than a small kernel, and numba's
-    worker threads then spin while torch's own threads want the same cores.
-    """
-    if work >= _PARALLEL_MIN_WORK or numba.get_num_threads() == 1:
-        yield
-        return
-    previous = numba.get_num_threads()
-    numba.set_num_threads(1)
-    try:
-        yield
-    finally:
-        numba.set_num_threads(previous)
-
 
 def _flat_plane(blocks: torch.Tensor, plane: int, layer: int) -> tuple[np.ndarray, int, int]:
     """``blocks``' memory as one flat array, its page stride, and where (plane, layer) starts in a page.
@@ -201,7 +89,7 @@ def _page_problem(lookup_table: torch.Tensor, num_pages: int, page_size: int, b:
     return "its page is unassigned (sentinel)" if page < 0 else f"its page {page} is outside [0, {num_pages})"
 
 
-@numba.njit(**_JIT)
+@numba.njit(**PARALLEL_JIT)
 def _compress_kernel(out, keys, page_stride, base, page_size, table, num_blocks, gamma, freqs, ratio, eps):
     """``out [B*max_blocks, D]``; ``keys`` the flat cache (see ``_flat_plane``, one head);
     ``freqs [positions, rotary/2, 2]`` float32 (cos, sin) pairs; ``num_blocks [B]`` pooled blocks per sequence."""
@@ -213,8 +101,8 @@ def _compress_kernel(out, keys, page_stride, base, page_size, table, num_blocks,
     rotations = np.empty((min(max_blocks, np.max(num_blocks)), half, 2), np.float32)
     for j in prange(rotations.shape[0]):
         for i in range(half):
-            rotations[j, i, 0] = _widen(_narrow(freqs[j * ratio, i, 0], out))
-            rotations[j, i, 1] = _widen(_narrow(freqs[j * ratio, i, 1], out))
+            rotations[j, i, 0] = widen(narrow(freqs[j * ratio, i, 0], out))
+            rotations[j, i, 1] = widen(narrow(freqs[j * ratio, i, 1], out))
     tasks = (rows + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK
     for task in prange(tasks):
         acc = np.empty((_ROWS_PER_GROUP, dim), np.float32)
@@ -235,12 +123,12 @@ def _compress_kernel(out, keys, page_stride, base, page_size, table, num_blocks,
                     raw = keys[start : start + dim]  # a slice: indices from range() vectorise, offsets do not
                     if i == 0:
                         for d in range(dim):
-                            block[d] = _widen(raw[d])
+                            block[d] = widen(raw[d])
                     else:
                         for d in range(dim):
-                            block[d] = block[d] + _widen(raw[d])
+                            block[d] = block[d] + widen(raw[d])
                 for d in range(dim):
-                    block[d] = _widen(_narrow(block[d] / np.float32(ratio), out))
+                    block[d] = widen(narrow(block[d] / np.float32(ratio), out))
             # 2. sums of squares in channel order; the group's blocks are independent
             #    chains, interleaved so that the adds do not wait on one another
             squares[:] = 0.0
@@ -253,11 +141,11 @@ def _compress_kernel(out, keys, page_stride, base, page_size, table, num_blocks,
                 out_row, block = out[row], acc[k]
                 if j >= num_blocks[b]:
                     for d in range(dim):
-                        out_row[d] = _narrow(np.float32(0.0), out)
+                        out_row[d] = narrow(np.float32(0.0), out)
                     continue
                 inv_rms = np.float32(1.0) / np.sqrt(squares[k] / np.float32(dim) + np.float32(eps))
                 for d in range(dim):
-                    block[d] = _widen(_narrow(block[d] * inv_rms * (np.float32(1.0) + gamma[d]), out))
+                    block[d] = widen(narrow(block[d] * inv_rms * (np.float32(1.0) + gamma[d]), out))
                 pairs = rotations[j]  # [half, 2]: (cos, sin) of each frequency, rounded
                 low, high = block[:half], block[half : 2 * half]  # slices, again for vectorisation
                 for i in range(half):
@@ -266,7 +154,7 @@ def _compress_kernel(out, keys, page_stride, base, page_size, table, num_blocks,
                     low[i] = x * cos - y * sin
                     high[i] = y * cos + x * sin
                 for d in range(dim):
-                    out_row[d] = _narrow(block[d], out)
+                    out_row[d] = narrow(block[d], out)
 
 
 def qsa_compress_keys_paged(block_keys, gamma, freqs_cis, key_counts, blocks, lookup_table, layer, ratio, eps):
@@ -311,7 +199,7 @@ def _sequence_of_rows(offsets):
     return seq_of_row
 
 
-@numba.njit(**_JIT)
+@numba.njit(**PARALLEL_JIT)
 def _block_score_kernel(scores, q, keys, offsets, positions, ratio, max_blocks, scale):
     """``scores [total_q, out_cols]``; ``q [total_q, heads, D]``; ``keys [B*max_blocks, D]``.
 
@@ -341,7 +229,7 @@ def _block_score_kernel(scores, q, keys, offsets, positions, ratio, max_blocks, 
         for h in range(heads):
             q_row, lane = q[r, h], (r - offsets[b]) * heads + h
             for d in range(dim):
-                block[d, lane] = _widen(q_row[d])
+                block[d, lane] = widen(q_row[d])
         score_row = scores[r]
         for g in range(visible[r], scores.shape[1]):
             score_row[g] = -np.inf
@@ -357,7 +245,7 @@ def _block_score_kernel(scores, q, keys, offsets, positions, ratio, max_blocks, 
         for i in range(chunk):
             key_src = keys[b * max_blocks + g0 + i]
             for d in range(dim):
-                keys_t[d, i] = _widen(key_src[d])
+                keys_t[d, i] = widen(key_src[d])
         # the inner loop runs over the chunk's keys (vectorises even for a decode's few rows);
         # each dot product still sums in channel order d = 0..D-1
         for lane in range(lanes):
@@ -391,7 +279,7 @@ def qsa_block_score(scores, q, block_keys, query_positions, input_row_offsets, r
 
 # ---- sparse attention -------------------------------------------------------------
 
-@numba.njit(**_JIT)
+@numba.njit(**PARALLEL_JIT)
 def _sparse_attention_kernel(out, lse, q, cache, page_stride, key_base, value_base, page_size, kv_heads, table,
                              indices, counts, seq_of_row, scale, gate, has_gate):
     """One task per (row, KV head). ``cache`` is the flat main cache (``_flat_plane``);
@@ -407,14 +295,14 @@ def _sparse_attention_kernel(out, lse, q, cache, page_stride, key_base, value_ba
                 lse[r, h] = -np.inf
                 out_row = out[r, h]
                 for d in range(dim):
-                    out_row[d] = _narrow(np.float32(0.0), out)
+                    out_row[d] = narrow(np.float32(0.0), out)
             continue
         b = seq_of_row[r]
         q_group = np.empty((group, dim), np.float32)
         for h in range(group):
             q_row = q[r, h0 + h]
             for d in range(dim):
-                q_group[h, d] = _widen(q_row[d])
+                q_group[h, d] = widen(q_row[d])
         # logits [group, count], a chunk of tokens at a time: the chunk's keys are widened and
         # transposed so that the inner loop runs over tokens (vectorises); every logit still
         # sums over channels in order d = 0..D-1
@@ -428,7 +316,7 @@ def _sparse_attention_kernel(out, lse, q, cache, page_stride, key_base, value_ba
                          + ((position % page_size) * kv_heads + kvh) * dim)
                 key = cache[start : start + dim]
                 for d in range(dim):
-                    keys_t[d, i] = _widen(key[d])
+                    keys_t[d, i] = widen(key[d])
             for h in range(group):
                 head_logits = logits[h, n0 : n0 + chunk]
                 for d in range(dim):
@@ -450,7 +338,7 @@ def _sparse_attention_kernel(out, lse, q, cache, page_stride, key_base, value_ba
                      + ((position % page_size) * kv_heads + kvh) * dim)
             value = cache[start : start + dim]
             for d in range(dim):
-                value_row[d] = _widen(value[d])
+                value_row[d] = widen(value[d])
             for h in range(group):
                 weight = np.exp(logits[h, n] - row_max[h])
                 denom[h] += weight
@@ -463,11 +351,11 @@ def _sparse_attention_kernel(out, lse, q, cache, page_stride, key_base, value_ba
             if has_gate:
                 gate_row = gate[r, h0 + h]
                 for d in range(dim):
-                    sigmoid = np.float32(1.0) / (np.float32(1.0) + np.exp(-_widen(gate_row[d])))
-                    out_row[d] = _narrow(acc_row[d] / denom[h] * sigmoid, out)
+                    sigmoid = np.float32(1.0) / (np.float32(1.0) + np.exp(-widen(gate_row[d])))
+                    out_row[d] = narrow(acc_row[d] / denom[h] * sigmoid, out)
             else:
                 for d in range(dim):
-                    out_row[d] = _narrow(acc_row[d] / denom[h], out)
+                    out_row[d] = narrow(acc_row[d] / denom[h], out)
 
 
 @numba.njit(cache=True, nogil=True)

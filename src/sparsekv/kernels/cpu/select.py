@@ -14,12 +14,10 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from .qsa import threads_for
-
-_JIT = {"parallel": True, "cache": True, "fastmath": False, "nogil": True}
+from ._parallel import PARALLEL_JIT, threads_for
 
 
-@numba.njit(**_JIT)
+@numba.njit(**PARALLEL_JIT)
 def _select_kernel(indices, counts, scores, positions, ratio, budget, include_tail):
     total_q, width = indices.shape
     num_cols = scores.shape[1]

@@ -15,8 +15,10 @@ runs the reference's host-side checks and raises the same ``ValueError``.
 
 Rounding follows the reference's points exactly: every fp32 division and
 square root that feeds a cast is correctly rounded (``div_rn``, ``sqrt_rn``),
-floating-point contraction is disabled for the compress kernel, and bf16
-casts round to nearest even on every backend (``round_to``).
+floating-point contraction is disabled for the compress kernel, bf16 casts
+round to nearest even on every backend (``round_to``), and compress sums in
+the reference's orders (raw keys token by token, the RMSNorm squares channel
+by channel), so its bf16/fp16 output equals the reference's bit for bit.
 """
 
 from __future__ import annotations
@@ -45,8 +47,19 @@ __all__ = ["qsa_block_score", "qsa_compress_keys_paged", "qsa_sparse_attention_p
 # compress (SPEC 2.2)
 # ---------------------------------------------------------------------------
 @triton.jit
-def _channel_sum_sq(x):
-    return tl.sum(x * x, axis=1)
+def _add_squares_in_order(total, x, columns, NUM_COLUMNS: tl.constexpr):
+    """``total [BJ]`` plus ``x[:, c] * x[:, c]`` for ``c = 0 .. NUM_COLUMNS-1``, added one column at a time.
+
+    Each column's square is picked out of the tile by a sum over one nonzero
+    element and zeros, which is exact in any order; the adds into ``total``
+    then run in column order, as the reference's channel loop does. A plain
+    ``tl.sum`` reduces in a tree, and a one-ulp change of the sum of squares
+    can grow into several ulps of the key after the RoPE subtraction.
+    """
+    squares = x * x
+    for c in range(NUM_COLUMNS):
+        total += tl.sum(tl.where(columns[None, :] == c, squares, 0.0), axis=1)
+    return total
 
 
 @triton.jit
@@ -90,8 +103,12 @@ def _compress_kernel(
     mean_hi = round_to(tl.div_rn(sum_hi, tl.zeros_like(sum_hi) + RATIO), DTYPE).to(tl.float32)
     mean_rest = round_to(tl.div_rn(sum_rest, tl.zeros_like(sum_rest) + RATIO), DTYPE).to(tl.float32)
 
-    # 2. zero-centred RMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + gamma).
-    square_sum = _channel_sum_sq(mean_lo) + _channel_sum_sq(mean_hi) + _channel_sum_sq(mean_rest)
+    # 2. zero-centred RMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + gamma), the sum of
+    #    squares in channel order d = 0..D-1: the low half, the high half, the rest.
+    square_sum = tl.zeros([BJ], dtype=tl.float32)
+    square_sum = _add_squares_in_order(square_sum, mean_lo, half_ch, HALF)
+    square_sum = _add_squares_in_order(square_sum, mean_hi, half_ch, HALF)
+    square_sum = _add_squares_in_order(square_sum, mean_rest, pass_ch - 2 * HALF, HEAD_DIM - 2 * HALF)
     mean_square = tl.div_rn(square_sum, tl.zeros_like(square_sum) + HEAD_DIM)
     inv_rms = tl.div_rn(tl.zeros_like(mean_square) + 1.0, tl.sqrt_rn(mean_square + eps))[:, None]
     g_lo = 1.0 + tl.load(gamma_ptr + half_ch, mask=half_ok, other=0.0).to(tl.float32)

@@ -1,0 +1,122 @@
+"""bf16 and fp16 in numba CPU kernels: tensors as raw 16-bit arrays, widened and rounded in integer arithmetic.
+
+numba has neither 16-bit float type, so a kernel receives a bf16 tensor as its
+``uint16`` bit patterns and an fp16 tensor as its ``int16`` bit patterns
+(:func:`as_numba`; the two integer types keep the formats apart when numba
+picks a specialisation). Inside a kernel :func:`widen` turns an element of
+either, or of a float array, into float32 exactly, and :func:`narrow` rounds a
+float32 to the element type of an output array, to nearest even, exactly as
+torch casts (NaN as torch writes it). Every one of the 65536 patterns of each
+format widens as torch widens it.
+
+Example: a bf16 ``[T, D]`` tensor ``k`` reaches a kernel as
+``as_numba(k)`` (``uint16 [T, D]``); there ``widen(bits[t, d])`` is the
+float32 value of ``k[t, d]`` and ``out[t, d] = narrow(value, out)`` stores a
+float32 ``value`` rounded to bf16 when ``out`` is ``as_numba`` of a bf16
+tensor, and unchanged when it is a float32 array.
+
+Bit arithmetic runs on int64 (numba widens mixed uint32 arithmetic to 64 bits
+anyway); a result is cast to uint32 right before it is reinterpreted as
+float32. numba's cache does not notice when this module changes under a cached
+caller in another module: clear the ``__pycache__`` ``*.nbi``/``*.nbc`` files
+after editing it.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+from numba import types
+from numba.extending import overload
+
+
+@numba.njit(cache=True)
+def bf16_to_f32(bits):
+    """bf16 bit pattern (any integer type) -> its float32 value: the pattern shifted into the high half."""
+    return np.uint32(np.int64(np.uint16(bits)) << 16).view(np.float32)
+
+
+@numba.njit(cache=True)
+def f32_to_bf16(value):
+    """float32 -> bf16 bit pattern (``uint16``), rounded to nearest even; NaN -> ``0x7FC0``."""
+    bits = np.int64(np.float32(value).view(np.uint32))
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return np.uint16(0x7FC0 if (bits & 0x7FFFFFFF) > 0x7F800000 else rounded)  # NaN as torch writes it
+
+
+@numba.njit(cache=True)
+def f16_to_f32(bits):
+    """fp16 bit pattern (any integer type) -> its float32 value (exact, subnormals included)."""
+    h = np.int64(np.uint16(bits))
+    sign = (h & 0x8000) << 16
+    exponent = (h >> 10) & 0x1F
+    mantissa = h & 0x3FF
+    if exponent == 0:  # zero or subnormal: mantissa * 2**-24, exact in float32
+        magnitude = np.float32(mantissa) * np.float32(5.9604644775390625e-08)
+        return -magnitude if sign else magnitude
+    if exponent == 31:
+        return np.uint32(sign | 0x7F800000 | (mantissa << 13)).view(np.float32)
+    return np.uint32(sign | ((exponent + 112) << 23) | (mantissa << 13)).view(np.float32)
+
+
+@numba.njit(cache=True)
+def f32_to_f16(value):
+    """float32 -> fp16 bit pattern (``int16``), rounded to nearest even; overflow -> inf, NaN -> ``0x7E00``."""
+    bits = np.int64(np.float32(value).view(np.uint32))
+    sign = (bits >> 16) & 0x8000
+    magnitude = bits & 0x7FFFFFFF
+    if magnitude > 0x7F800000:
+        return np.int16(np.uint16(sign | 0x7E00))  # NaN
+    if magnitude >= 0x47800000:  # >= 65536 (or inf): inf
+        return np.int16(np.uint16(sign | 0x7C00))
+    if magnitude < 0x38800000:  # below 2**-14: subnormal half, round(|x| * 2**24) to even
+        scaled = np.int64(np.rint(abs(np.float32(value)) * np.float32(16777216.0)))
+        return np.int16(np.uint16(sign | scaled))
+    mantissa = magnitude & 0x7FFFFF
+    half = (((magnitude >> 23) - 112) << 10) | (mantissa >> 13)
+    rest = mantissa & 0x1FFF
+    if rest > 0x1000 or (rest == 0x1000 and (half & 1)):
+        half += 1  # a carry into the exponent is right, up to inf
+    return np.int16(np.uint16(sign | half))
+
+
+def widen(x):
+    """Element of a bf16 (``uint16`` bits), fp16 (``int16`` bits) or float array -> float32 (numba only)."""
+    raise NotImplementedError
+
+
+@overload(widen)
+def _widen_overload(x):
+    if x == types.uint16:
+        return lambda x: bf16_to_f32(x)
+    if x == types.int16:
+        return lambda x: f16_to_f32(x)
+    if isinstance(x, types.Float):
+        return lambda x: np.float32(x)
+    return None
+
+
+def narrow(value, like):
+    """float32 -> the element type of the array ``like``, rounded to nearest even (numba only)."""
+    raise NotImplementedError
+
+
+@overload(narrow)
+def _narrow_overload(value, like):
+    if like.dtype == types.uint16:
+        return lambda value, like: f32_to_bf16(value)
+    if like.dtype == types.int16:
+        return lambda value, like: f32_to_f16(value)
+    if like.dtype == types.float32:
+        return lambda value, like: np.float32(value)
+    return None
+
+
+def as_numba(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of ``t`` (no copy): bf16 as ``uint16`` bits, fp16 as ``int16`` bits, other dtypes as they are."""
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)  # via int16: torch's uint16 numpy support is recent
+    if t.dtype == torch.float16:
+        return t.view(torch.int16).numpy()
+    return t.numpy()
