@@ -10,11 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from sparsekv.ops._registry import triton_status
+from triton_support import require_triton
 
 pytestmark = pytest.mark.triton
-if not triton_status()[0]:
-    pytest.skip(f"Triton kernels cannot run here: {triton_status()[1]}", allow_module_level=True)
+require_triton()
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
 

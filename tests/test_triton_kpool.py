@@ -5,23 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparsekv.ops._registry import triton_status
+from triton_support import DEVICE, gpu_validation_rules, require_triton
 
 pytestmark = pytest.mark.triton
-if not triton_status()[0]:
-    pytest.skip(f"Triton kernels cannot run here: {triton_status()[1]}", allow_module_level=True)
+require_triton()
 
 from sparsekv.kernels.reference import kpool as ref
-from sparsekv.kernels.triton import _common
 from sparsekv.kernels.triton import kpool as tri
-from sparsekv.ops._registry import debug_checks
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def gpu_validation_rules(monkeypatch):
-    """Validate on the host only with SPARSEKV_DEBUG=1, as for CUDA tensors (CPU tensors always validate)."""
-    monkeypatch.setattr(_common, "host_checks", lambda device: debug_checks())
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 MODES = ["softmax", "mean", "last"]
 

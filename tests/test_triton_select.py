@@ -5,16 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparsekv.ops._registry import triton_status
+from triton_support import DEVICE, require_triton
 
 pytestmark = pytest.mark.triton
-if not triton_status()[0]:
-    pytest.skip(f"Triton kernels cannot run here: {triton_status()[1]}", allow_module_level=True)
+require_triton()
 
 from sparsekv.kernels.reference import select as ref
 from sparsekv.kernels.triton import select as tri
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def run(module, scores, positions, ratio, budget, include_tail, width=None):
