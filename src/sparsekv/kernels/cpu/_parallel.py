@@ -15,9 +15,22 @@ thread per 1024 pools.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 
 import numba
+
+# NOTE: numba's default threading-layer order (tbb, omp, workqueue) falls back
+# to its OpenMP layer when TBB is missing. Its workers then busy-wait after a
+# parallel region while torch's own OpenMP pool (a separate runtime) tries to
+# run: on two cores a 0.4 ms torch op measured 56 ms right after a numba
+# kernel. TBB (a dependency on x86-64) and numba's workqueue layer both let
+# their workers sleep, so they go first. The workqueue layer does not allow
+# parallel kernels to be launched from several Python threads at once; with
+# TBB installed that never applies. An explicit NUMBA_THREADING_LAYER or
+# NUMBA_THREADING_LAYER_PRIORITY is left alone.
+if "NUMBA_THREADING_LAYER" not in os.environ and "NUMBA_THREADING_LAYER_PRIORITY" not in os.environ:
+    numba.config.THREADING_LAYER_PRIORITY = ["tbb", "workqueue", "omp"]
 
 PARALLEL_JIT = {"parallel": True, "cache": True, "fastmath": False, "nogil": True}
 """Options of a ``prange`` kernel whose sums keep their written order (no reordering, no fused multiply-adds)."""
