@@ -124,3 +124,24 @@ def test_errors():
         qsa_block_score(q, keys, positions, offsets, ratio=4, score_scale=0.0)
     with pytest.raises(ValueError, match="query_positions: expected shape"):
         qsa_block_score(q, keys, positions[:2], offsets, **kw)
+
+
+@pytest.mark.parametrize("heads", [3, 5])
+def test_cpu_many_keys_and_rows_equals_reference_and_rows_alone(heads):
+    """Keys spanning several tasks and tiles, rows spanning several row groups (with padding lanes): the
+    CPU scores match the reference, and each row scored alone (its sequence only) gives the same bits."""
+    generator = torch.Generator().manual_seed(heads)
+    dim, ratio, max_blocks, rows = 24, 2, 300, [19, 1]
+    offsets = torch.tensor([0, rows[0], sum(rows)], dtype=torch.int32)
+    positions = torch.tensor([2 * max_blocks - 40 + 3 * i for i in range(rows[0])] + [257], dtype=torch.int32)
+    case = {"q": torch.randn(sum(rows), heads, dim, generator=generator),
+            "block_keys": torch.randn(2 * max_blocks, dim, generator=generator), "positions": positions,
+            "offsets": offsets, "ratio": ratio, "scale": math.sqrt(dim), "out_cols": max_blocks + 1}
+    got = run_kernel(cpu_qsa.qsa_block_score, case)
+    assert_spec_close(got, run_kernel(ref_qsa.qsa_block_score, case), what="cpu vs reference")
+    for r in [0, 5, 6, 18, 19]:
+        seq = 0 if r < rows[0] else 1
+        alone = dict(case, q=case["q"][r : r + 1], positions=positions[r : r + 1],
+                     offsets=torch.tensor([0, 1], dtype=torch.int32),
+                     block_keys=case["block_keys"][seq * max_blocks : (seq + 1) * max_blocks])
+        assert torch.equal(run_kernel(cpu_qsa.qsa_block_score, alone)[0], got[r]), f"row {r} alone differs"

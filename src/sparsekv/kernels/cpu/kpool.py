@@ -26,12 +26,13 @@ What each kernel is made of, and why (measured with ``benchmarks/bench_kpool.py`
 * threads: a parallel region costs a barrier, milliseconds on oversubscribed
   cores, so a call gets one thread per 1024 pools (at least one).
 * mode last, seed tail: pure gathers/scatters, already memory-bound in torch.
-* score: the work is a (pools x D) @ (D x heads) product per sequence, which
-  BLAS does best: a page-wise gather of each sequence's visible pooled keys
-  (validated first), one float32 GEMM per chunk of rows, relu in place, the
-  head-weighted sum as a batched GEMV, then ``-inf`` past each row's pools.
-  The reference does the same GEMM per row after a per-pool page lookup, so
-  at decode shapes the two are within a small factor of each other.
+* score: one numba pass, one task per (sequence, chunk of 128 pools): the
+  chunk's pooled keys are read page by page straight from the paged cache and
+  widened once, then each group of the sequence's rows runs over them in
+  register tiles (:mod:`._dot_tile`: fused multiply-adds, every dot product
+  the same FMA chain in channel order), relu and the head-weighted sum in head
+  order. So a row's scores do not depend on the rows that share the call
+  (BLAS does not promise that), and nothing is gathered into a copy first.
 """
 
 from __future__ import annotations
@@ -49,7 +50,9 @@ from ...cache.layout import resolve_pages
 from ..reference.kpool import compress_member_rows
 from ..reference.kpool import mla_kpool_seed_tail as mla_kpool_seed_tail  # scatter of whole rows: memory-bound
 from ._bits import as_numba, narrow, widen
-from ._parallel import numba_threads
+from ._dot_tile import KEYS_PER_TILE, VECTOR, tile_dots
+from ._parallel import numba_threads, threads_for
+from .qsa import _first_missing_page  # the same page check: tokens there, pools here
 
 _MODE_SOFTMAX, _MODE_MEAN = 0, 1
 _POOLS_PER_TASK = 64  # pools per prange task: enough work to amortise scheduling, small scratch
@@ -245,62 +248,132 @@ def mla_kpool_ring_close(closed, closed_ids, ring, slot_ids, k, gate, ape, input
     closed_ids[seqs] = torch.div(cached[seqs], kpool, rounding_mode="floor").to(closed_ids.dtype)
 
 
-_SCORE_CHUNK_ELEMENTS = 1 << 22  # float32 dot products held at once per sequence (16 MiB)
+_SCORE_KEYS_PER_TASK = 128  # pools per score task: a multiple of the dot tile's width
+_SCORE_LANES_PER_GROUP = 32  # (row, head) pairs whose dot products run together over a task's pools
 
 
-def _sequence_keys(pooled_blocks, lookup_table, layer, seq, num_pools):
-    """Sequence ``seq``'s pools ``0 .. num_pools-1`` as float32 ``[num_pools, D]``, gathered page by page.
+@numba.njit(cache=True, nogil=True)
+def _pools_needed(visible, offsets):
+    """``[B]`` pools each sequence's rows see at most (0 for a sequence without rows)."""
+    batch = offsets.shape[0] - 1
+    needed = np.zeros(batch, np.int64)
+    for b in range(batch):
+        for r in range(offsets[b], offsets[b + 1]):
+            needed[b] = max(needed[b], visible[r])
+    return needed
 
-    Validates the table entries first (the same error as the reference: the first bad pool).
-    """
+
+def _check_score_pages(pooled_blocks, lookup_table, visible, offsets):
+    """``ValueError`` (the reference's wording: the first bad pool) unless every visible pool has a page."""
     per_page = pooled_blocks.shape[3]
-    num_pages = -(-num_pools // per_page)
-    if num_pages > lookup_table.shape[1] or bool(
-        ((lookup_table[seq, :num_pages] < 0) | (lookup_table[seq, :num_pages] >= pooled_blocks.shape[0])).any()
-    ):
-        first_pools = torch.arange(0, num_pages * per_page, per_page)
-        resolve_pages(lookup_table, pooled_blocks.shape[0], per_page, torch.full_like(first_pools, seq), first_pools)
-    pages = lookup_table[seq, :num_pages].to(torch.int64)
-    layer_view = pooled_blocks[:, 0, layer, :, 0, :]  # [num_pages, per_page, D], each page contiguous
-    keys = layer_view.index_select(0, pages)  # whole-page copies (advanced indexing is ~10x slower here)
-    return keys.reshape(num_pages * per_page, pooled_blocks.shape[5])[:num_pools].float()
+    seq, pool = _first_missing_page(lookup_table.numpy(), pooled_blocks.shape[0], per_page,
+                                    _pools_needed(visible.numpy(), offsets.numpy()))
+    if seq >= 0:
+        resolve_pages(lookup_table, pooled_blocks.shape[0], per_page, torch.tensor([seq]), torch.tensor([pool]))
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def _score_kernel(scores, q, head_weights, cache, page_stride, base, per_page, table, visible, offsets):
+    """``scores [total_q, out_cols]``; ``q [total_q, heads, D]``; ``cache`` the pooled cache as one flat array:
+    pool slot ``s`` of page ``n`` (this layer) starts at ``cache[n*page_stride + base + s*D]``.
+
+    Task = (sequence, chunk of its pools): the chunk's pooled keys are read
+    through the page table and widened once, then each group of the
+    sequence's rows runs over them (:func:`._dot_tile.tile_dots`); a row's
+    score is ``sum_h w_h * relu(dot_h)`` summed in head order. ``q_t[group]``
+    holds a row group's queries transposed, ``[D, lanes]``, zero padding lanes.
+    """
+    total_q, heads, dim = q.shape
+    batch = offsets.shape[0] - 1
+    group_rows = max(1, _SCORE_LANES_PER_GROUP // max(heads, 1))
+    group_lanes = (group_rows * heads + VECTOR - 1) // VECTOR * VECTOR
+    num_keys = np.zeros(batch, np.int64)
+    task_starts = np.zeros(batch + 1, np.int64)
+    group_starts = np.zeros(batch + 1, np.int64)
+    for b in range(batch):
+        for r in range(offsets[b], offsets[b + 1]):
+            num_keys[b] = max(num_keys[b], visible[r])
+        task_starts[b + 1] = task_starts[b] + (num_keys[b] + _SCORE_KEYS_PER_TASK - 1) // _SCORE_KEYS_PER_TASK
+        group_starts[b + 1] = group_starts[b] + (offsets[b + 1] - offsets[b] + group_rows - 1) // group_rows
+    q_t = np.zeros((group_starts[batch], dim, group_lanes), np.float32)
+    for r in range(total_q):  # serial: cheap, and a parallel region costs a barrier
+        b = np.searchsorted(offsets, r, side="right") - 1
+        local = r - offsets[b]
+        block = q_t[group_starts[b] + local // group_rows]
+        for h in range(heads):
+            q_row, lane = q[r, h], local % group_rows * heads + h
+            for d in range(dim):
+                block[d, lane] = widen(q_row[d])
+        score_row = scores[r]
+        for p in range(visible[r], scores.shape[1]):
+            score_row[p] = -np.inf
+    for task in numba.prange(task_starts[batch]):
+        b = np.searchsorted(task_starts, task, side="right") - 1
+        first_row, end_row = offsets[b], offsets[b + 1]
+        p0 = (task - task_starts[b]) * _SCORE_KEYS_PER_TASK
+        chunk = min(_SCORE_KEYS_PER_TASK, num_keys[b] - p0)
+        chunk_keys = np.empty((_SCORE_KEYS_PER_TASK, dim), np.float32)  # widened; rows past chunk zeroed below
+        column = 0
+        while column < chunk:  # page by page: a page's pools are consecutive rows
+            pool = p0 + column
+            slot = pool % per_page
+            run = min(per_page - slot, chunk - column)
+            start = table[b, pool // per_page] * page_stride + base + slot * dim
+            page_keys = cache[start : start + run * dim]  # contiguous: the widening loop vectorises
+            widened = chunk_keys[column : column + run].reshape(run * dim)
+            for e in range(run * dim):
+                widened[e] = widen(page_keys[e])
+            column += run
+        chunk_keys[chunk : min(_SCORE_KEYS_PER_TASK, chunk + KEYS_PER_TILE)] = 0.0
+        dots = np.empty((_SCORE_KEYS_PER_TASK, group_lanes), np.float32)
+        for r0 in range(first_row, end_row, group_rows):
+            r1 = min(r0 + group_rows, end_row)
+            lanes = ((r1 - r0) * heads + VECTOR - 1) // VECTOR * VECTOR
+            tile_dots(dots, q_t[group_starts[b] + (r0 - first_row) // group_rows], chunk_keys, lanes, chunk)
+            for r in range(r0, r1):
+                lane0 = (r - r0) * heads
+                seen = max(0, min(chunk, visible[r] - p0))
+                totals = scores[r, p0 : p0 + seen]
+                totals[:] = 0.0
+                # heads outer, pools inner: independent sums side by side instead of one
+                # chain of H dependent adds per pool; each sum still runs h = 0 .. H-1
+                for h in range(heads):
+                    weight = head_weights[r, h]
+                    for i in range(seen):
+                        totals[i] += weight * max(dots[i, lane0 + h], np.float32(0.0))
 
 
 def mla_kpool_score(scores, q, head_weights, pooled_blocks, lookup_table, query_positions, input_row_offsets,
                     kpool, layer):
     """See :func:`sparsekv.kernels.reference.kpool.mla_kpool_score`.
 
-    Per sequence: one page-wise gather of the pooled keys its rows can see,
-    then, per chunk of rows, a float32 GEMM ``q @ K^T`` (BLAS), relu in place
-    and the head-weighted sum as a batched GEMV, then ``-inf`` past each
-    row's visible pools. Every sequence's pages are validated before the
-    first write.
+    Every sequence's pages are validated first; then one numba pass (see
+    ``_score_kernel``) reads the pooled keys straight from their pages.
     """
     total_q, out_cols = scores.shape
     if total_q == 0:
         return
-    heads, dim = q.shape[1], q.shape[2]
     visible = torch.div(query_positions.to(torch.int64) + 1, kpool, rounding_mode="floor").clamp(0, out_cols)
-    offsets = input_row_offsets.tolist()
-    per_sequence = []
-    for seq in range(len(offsets) - 1):
-        lo, hi = offsets[seq], offsets[seq + 1]
-        if hi > lo:
-            most = int(visible[lo:hi].max())
-            per_sequence.append((lo, hi, _sequence_keys(pooled_blocks, lookup_table, layer, seq, most)))
-    columns = torch.arange(out_cols)
-    for lo, hi, keys in per_sequence:
-        num_pools = keys.shape[0]
-        rows_per_chunk = max(1, _SCORE_CHUNK_ELEMENTS // max(1, heads * num_pools))
-        for start in range(lo, hi, rows_per_chunk):
-            stop = min(hi, start + rows_per_chunk)
-            block = scores[start:stop]
-            if num_pools:
-                dots = torch.matmul(q[start:stop].reshape(-1, dim).float(), keys.T)  # [(rows*H), pools]
-                dots.clamp_(min=0)
-                weighted = torch.bmm(head_weights[start:stop, None, :], dots.view(stop - start, heads, num_pools))
-                block[:, :num_pools] = weighted[:, 0]
-            block.masked_fill_(columns[None, :] >= visible[start:stop, None], float("-inf"))
+    offsets = input_row_offsets.to(torch.int64)
+    _check_score_pages(pooled_blocks, lookup_table, visible, offsets)
+    num_pages, planes, layers, per_page, _, dim = pooled_blocks.shape
+    if num_pages == 0:  # validated above: no row sees a pool
+        cache, page_stride = pooled_blocks.new_empty(0), 0
+    else:
+        if not pooled_blocks[0].is_contiguous():  # pages may be strided, not their insides
+            pooled_blocks = pooled_blocks.contiguous()
+        page_stride = pooled_blocks.stride(0)
+        span = (num_pages - 1) * page_stride + planes * layers * per_page * dim
+        cache = pooled_blocks.as_strided((span,), (1,))  # flat: numba vectorises contiguous slices only
+    base = layer * per_page * dim  # plane 0 of this layer
+    target = scores if scores.is_contiguous() else torch.empty_like(scores, memory_format=torch.contiguous_format)
+    work = int(visible.sum()) * q.shape[1] * q.shape[2]
+    with threads_for(work):
+        _score_kernel(target.numpy(), as_numba(q.contiguous()), head_weights.float().contiguous().numpy(),
+                      as_numba(cache), page_stride, base, per_page, lookup_table.numpy(), visible.numpy(),
+                      offsets.numpy())
+    if target is not scores:
+        scores.copy_(target)
 
 
 __all__ = ["mla_kpool_compress", "mla_kpool_ring_close", "mla_kpool_score", "mla_kpool_seed_tail"]

@@ -9,13 +9,15 @@ What each kernel is made of, and why (measured with ``benchmarks/bench_qsa.py``)
   temporaries of them. The RMSNorm sums of squares of 8 blocks run interleaved
   so that their (ordered) adds do not wait on one another.
 * block score: one task per (sequence, chunk of block keys). The chunk's keys
-  are widened and transposed once, then every query head of the sequence runs
-  over them with the inner loop over keys, which vectorises even for a decode's
-  few rows. Each dot product sums in channel order, so a row's scores do not
-  depend on which other rows share the call (SPEC 2.6); a BLAS GEMM does not
-  promise that (``torch.mm`` rounds a row differently as the row count
-  changes). Without fused multiply-adds this is about as fast as the
-  reference's per-row BLAS products; the gain is in the many-row case.
+  are widened once, then each group of the sequence's rows (about 32 (row,
+  head) lanes, queries transposed) runs over them in register tiles of 16-32
+  lanes x 8 keys (:mod:`._dot_tile`, fused multiply-adds). Each dot product
+  is the same FMA chain in channel order whatever shares its tile, so a row's
+  scores do not depend on which other rows share the call (SPEC 2.6); a BLAS
+  GEMM does not promise that (``torch.mm`` rounds a row differently as the
+  row count changes). FMA rounding differs from the reference's separate
+  products and sums within SPEC 4 (bf16 inputs: their products are exact in
+  float32, so the results are the same).
 * sparse attention: one task per (row, KV head) gathers the selected tokens
   through the page table (keys transposed a chunk at a time, as in block
   score) and computes the whole query group's logits, softmax and ``P @ V`` in
@@ -44,9 +46,11 @@ import torch
 from numba import prange
 
 from ._bits import as_numba, narrow, widen
+from ._dot_tile import KEYS_PER_TILE, VECTOR, tile_dots
 from ._parallel import PARALLEL_JIT, threads_for
 
 _KEYS_PER_TASK = 128  # block keys per block-score task: enough work per task, little scratch
+_LANES_PER_GROUP = 32  # (row, head) pairs whose dot products run together over a task's keys
 _ROWS_PER_TASK = 64  # block-key rows per compress task
 _ROWS_PER_GROUP = 8  # block keys whose RMSNorm sums run interleaved
 _TOKENS_PER_CHUNK = 64  # selected tokens whose keys sparse attention transposes at once
@@ -203,31 +207,34 @@ def _sequence_of_rows(offsets):
 def _block_score_kernel(scores, q, keys, offsets, positions, ratio, max_blocks, scale):
     """``scores [total_q, out_cols]``; ``q [total_q, heads, D]``; ``keys [B*max_blocks, D]``.
 
-    Task = (sequence, chunk of its block keys): each key is widened once and
-    multiplied against all of the sequence's query heads, laid out as
-    ``q_t [D, total_q*heads]`` float32 so that the inner loop runs over heads.
+    Task = (sequence, chunk of its block keys): the chunk's keys are widened
+    once, then each group of the sequence's rows runs over them
+    (:func:`._dot_tile.tile_dots`). ``q_t[group]`` holds a row group's
+    queries widened and transposed, ``[D, lanes]`` with lane ``row*heads + h``
+    and zeros in the padding lanes.
     """
     total_q, heads, dim = q.shape
     batch = offsets.shape[0] - 1
     usable_cols = min(scores.shape[1], max_blocks)
+    group_rows = max(1, _LANES_PER_GROUP // max(heads, 1))
+    group_lanes = (group_rows * heads + VECTOR - 1) // VECTOR * VECTOR
     visible = np.empty(total_q, np.int64)
     num_keys = np.zeros(batch, np.int64)  # keys a sequence needs: its rows' largest visibility
+    task_starts = np.zeros(batch + 1, np.int64)
+    group_starts = np.zeros(batch + 1, np.int64)
     for b in range(batch):
         for r in range(offsets[b], offsets[b + 1]):
             visible[r] = min(max((positions[r] + 1) // ratio, 0), usable_cols)
             num_keys[b] = max(num_keys[b], visible[r])
-    task_starts = np.zeros(batch + 1, np.int64)
-    for b in range(batch):
         task_starts[b + 1] = task_starts[b] + (num_keys[b] + _KEYS_PER_TASK - 1) // _KEYS_PER_TASK
-    # queries widened and transposed per sequence: sequence b's block is [D, rows_b*heads],
-    # contiguous, starting at q_t[offsets[b]*heads*D]
-    q_t = np.empty(total_q * heads * dim, np.float32)
-    for r in prange(total_q):
+        group_starts[b + 1] = group_starts[b] + (offsets[b + 1] - offsets[b] + group_rows - 1) // group_rows
+    q_t = np.zeros((group_starts[batch], dim, group_lanes), np.float32)
+    for r in range(total_q):  # serial: cheap, and a parallel region costs a barrier
         b = np.searchsorted(offsets, r, side="right") - 1
-        lanes = (offsets[b + 1] - offsets[b]) * heads
-        block = q_t[offsets[b] * heads * dim : offsets[b + 1] * heads * dim].reshape((dim, lanes))
+        local = r - offsets[b]
+        block = q_t[group_starts[b] + local // group_rows]
         for h in range(heads):
-            q_row, lane = q[r, h], (r - offsets[b]) * heads + h
+            q_row, lane = q[r, h], local % group_rows * heads + h
             for d in range(dim):
                 block[d, lane] = widen(q_row[d])
         score_row = scores[r]
@@ -236,33 +243,28 @@ def _block_score_kernel(scores, q, keys, offsets, positions, ratio, max_blocks, 
     for task in prange(task_starts[batch]):
         b = np.searchsorted(task_starts, task, side="right") - 1
         first_row, end_row = offsets[b], offsets[b + 1]
-        lanes = (end_row - first_row) * heads
-        q_block = q_t[first_row * heads * dim : end_row * heads * dim].reshape((dim, lanes))
-        keys_t = np.empty((dim, _KEYS_PER_TASK), np.float32)  # this chunk's keys, widened and transposed
-        dots = np.empty((lanes, _KEYS_PER_TASK), np.float32)
         g0 = (task - task_starts[b]) * _KEYS_PER_TASK
         chunk = min(_KEYS_PER_TASK, num_keys[b] - g0)
+        chunk_keys = np.empty((_KEYS_PER_TASK, dim), np.float32)  # widened; rows past chunk zeroed below
+        source = keys[b * max_blocks + g0 : b * max_blocks + g0 + chunk]
         for i in range(chunk):
-            key_src = keys[b * max_blocks + g0 + i]
             for d in range(dim):
-                keys_t[d, i] = widen(key_src[d])
-        # the inner loop runs over the chunk's keys (vectorises even for a decode's few rows);
-        # each dot product still sums in channel order d = 0..D-1
-        for lane in range(lanes):
-            lane_dots = dots[lane]
-            lane_dots[:] = 0.0
-            for d in range(dim):
-                q_value = q_block[d, lane]
-                for i in range(chunk):
-                    lane_dots[i] += q_value * keys_t[d, i]
-        for r in range(first_row, end_row):
-            lane0 = (r - first_row) * heads
-            score_row = scores[r]
-            for i in range(min(chunk, visible[r] - g0)):
-                total = np.float32(0.0)
-                for h in range(heads):
-                    total += max(dots[lane0 + h, i], np.float32(0.0))
-                score_row[g0 + i] = total / np.float32(scale)
+                chunk_keys[i, d] = widen(source[i, d])
+        chunk_keys[chunk : min(_KEYS_PER_TASK, chunk + KEYS_PER_TILE)] = 0.0
+        dots = np.empty((_KEYS_PER_TASK, group_lanes), np.float32)
+        for r0 in range(first_row, end_row, group_rows):
+            r1 = min(r0 + group_rows, end_row)
+            lanes = ((r1 - r0) * heads + VECTOR - 1) // VECTOR * VECTOR
+            tile_dots(dots, q_t[group_starts[b] + (r0 - first_row) // group_rows], chunk_keys, lanes, chunk)
+            for r in range(r0, r1):
+                lane0 = (r - r0) * heads
+                score_row = scores[r]
+                for i in range(min(chunk, visible[r] - g0)):
+                    key_dots = dots[i, lane0 : lane0 + heads]
+                    total = np.float32(0.0)
+                    for h in range(heads):
+                        total += max(key_dots[h], np.float32(0.0))
+                    score_row[g0 + i] = total / np.float32(scale)
 
 
 def qsa_block_score(scores, q, block_keys, query_positions, input_row_offsets, ratio, score_scale):
