@@ -20,17 +20,32 @@ from collections.abc import Iterator
 
 import numba
 
-# NOTE: numba's default threading-layer order (tbb, omp, workqueue) falls back
-# to its OpenMP layer when TBB is missing. Its workers then busy-wait after a
-# parallel region while torch's own OpenMP pool (a separate runtime) tries to
-# run: on two cores a 0.4 ms torch op measured 56 ms right after a numba
-# kernel. TBB (a dependency on x86-64) and numba's workqueue layer both let
-# their workers sleep, so they go first. The workqueue layer does not allow
-# parallel kernels to be launched from several Python threads at once; with
-# TBB installed that never applies. An explicit NUMBA_THREADING_LAYER or
-# NUMBA_THREADING_LAYER_PRIORITY is left alone.
-if "NUMBA_THREADING_LAYER" not in os.environ and "NUMBA_THREADING_LAYER_PRIORITY" not in os.environ:
-    numba.config.THREADING_LAYER_PRIORITY = ["tbb", "workqueue", "omp"]
+# NOTE: numba's OpenMP threading layer is the fastest here (the sparse
+# attention kernel ran 1.7x slower under TBB or workqueue), but by default its
+# workers busy-wait after a parallel region while torch's own OpenMP runtime (a
+# separate copy) tries to run: on two cores a 0.4 ms torch op measured 56 ms
+# right after a numba kernel. An OpenMP runtime reads OMP_WAIT_POLICY once,
+# when it loads; torch's loaded with torch, numba's loads when its workers are
+# first launched. So numba's workers are launched here with OMP_WAIT_POLICY=
+# PASSIVE (they sleep when idle), and the environment is restored afterwards.
+# A user's own NUMBA_THREADING_LAYER(_PRIORITY) or OMP_WAIT_POLICY wins.
+def _launch_sleeping_workers() -> None:
+    if any(name in os.environ for name in
+           ("NUMBA_THREADING_LAYER", "NUMBA_THREADING_LAYER_PRIORITY", "OMP_WAIT_POLICY")):
+        return
+    try:
+        from numba.np.ufunc.parallel import _launch_threads  # not public API: skip if it moves
+    except ImportError:
+        return
+    numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    try:
+        _launch_threads()
+    finally:
+        del os.environ["OMP_WAIT_POLICY"]
+
+
+_launch_sleeping_workers()
 
 PARALLEL_JIT = {"parallel": True, "cache": True, "fastmath": False, "nogil": True}
 """Options of a ``prange`` kernel whose sums keep their written order (no reordering, no fused multiply-adds)."""
