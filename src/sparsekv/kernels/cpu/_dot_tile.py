@@ -28,10 +28,13 @@ under a cached caller in another module: clear the ``__pycache__``
 from __future__ import annotations
 
 import numba
+import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
+
+from ._bits import widen
 
 VECTOR = 16  # float32 lanes per vector (AVX-512); LLVM splits the vectors on narrower machines
 KEYS_PER_TILE = 8
@@ -135,3 +138,52 @@ def tile_dots(dots, q_t, keys, lanes, num_keys):
             lane0 += 2 * VECTOR
         if lane0 < lanes:
             _tile_16_lanes(dots, q_t, keys, lane0, key0)
+
+
+KEYS_PER_TASK = 128
+"""Keys (block keys or pooled keys) per score task: enough work per task, little scratch; a multiple of KEYS_PER_TILE."""
+LANES_PER_GROUP = 32
+"""(row, head) pairs whose dot products run together over a task's keys."""
+
+
+@numba.njit(cache=True)
+def plan_score_tasks(scores, q, offsets, visible):
+    """The set-up both score kernels share, run serially (a parallel region costs a barrier).
+
+    Args: ``scores [total_q, out_cols]`` (columns ``>= visible[r]`` get
+    ``-inf`` here), ``q [total_q, heads, D]`` (any float dtype), ``offsets
+    [B+1]``, ``visible [total_q]`` keys each row sees.
+
+    Returns ``(num_keys [B], task_starts [B+1], group_starts [B+1], q_t,
+    group_rows)``: sequence ``b`` needs its first ``num_keys[b]`` keys (its
+    rows' largest visibility), split into tasks ``task_starts[b] ..
+    task_starts[b+1]`` of ``KEYS_PER_TASK`` keys; its rows form groups
+    ``group_starts[b] ..`` of ``group_rows`` rows, and ``q_t[group]`` ``[D,
+    lanes]`` holds a group's queries widened and transposed (lane
+    ``row*heads + h``, zeros in the padding lanes).
+    """
+    total_q, heads, dim = q.shape
+    batch = offsets.shape[0] - 1
+    group_rows = max(1, LANES_PER_GROUP // max(heads, 1))
+    group_lanes = (group_rows * heads + VECTOR - 1) // VECTOR * VECTOR
+    num_keys = np.zeros(batch, np.int64)
+    task_starts = np.zeros(batch + 1, np.int64)
+    group_starts = np.zeros(batch + 1, np.int64)
+    for b in range(batch):
+        for r in range(offsets[b], offsets[b + 1]):
+            num_keys[b] = max(num_keys[b], visible[r])
+        task_starts[b + 1] = task_starts[b] + (num_keys[b] + KEYS_PER_TASK - 1) // KEYS_PER_TASK
+        group_starts[b + 1] = group_starts[b] + (offsets[b + 1] - offsets[b] + group_rows - 1) // group_rows
+    q_t = np.zeros((group_starts[batch], dim, group_lanes), np.float32)
+    for r in range(total_q):
+        b = np.searchsorted(offsets, r, side="right") - 1
+        local = r - offsets[b]
+        block = q_t[group_starts[b] + local // group_rows]
+        for h in range(heads):
+            q_row, lane = q[r, h], local % group_rows * heads + h
+            for d in range(dim):
+                block[d, lane] = widen(q_row[d])
+        score_row = scores[r]
+        for k in range(visible[r], scores.shape[1]):
+            score_row[k] = -np.inf
+    return num_keys, task_starts, group_starts, q_t, group_rows

@@ -50,7 +50,7 @@ from ...cache.layout import resolve_pages
 from ..reference.kpool import compress_member_rows
 from ..reference.kpool import mla_kpool_seed_tail as mla_kpool_seed_tail  # scatter of whole rows: memory-bound
 from ._bits import as_numba, narrow, widen
-from ._dot_tile import KEYS_PER_TILE, VECTOR, tile_dots
+from ._dot_tile import KEYS_PER_TASK, KEYS_PER_TILE, VECTOR, plan_score_tasks, tile_dots
 from ._parallel import numba_threads, threads_for
 from .qsa import _first_missing_page  # the same page check: tokens there, pools here
 
@@ -248,8 +248,6 @@ def mla_kpool_ring_close(closed, closed_ids, ring, slot_ids, k, gate, ape, input
     closed_ids[seqs] = torch.div(cached[seqs], kpool, rounding_mode="floor").to(closed_ids.dtype)
 
 
-_SCORE_KEYS_PER_TASK = 128  # pools per score task: a multiple of the dot tile's width
-_SCORE_LANES_PER_GROUP = 32  # (row, head) pairs whose dot products run together over a task's pools
 
 
 @numba.njit(cache=True, nogil=True)
@@ -285,34 +283,14 @@ def _score_kernel(scores, q, head_weights, cache, page_stride, base, per_page, t
     """
     total_q, heads, dim = q.shape
     batch = offsets.shape[0] - 1
-    group_rows = max(1, _SCORE_LANES_PER_GROUP // max(heads, 1))
-    group_lanes = (group_rows * heads + VECTOR - 1) // VECTOR * VECTOR
-    num_keys = np.zeros(batch, np.int64)
-    task_starts = np.zeros(batch + 1, np.int64)
-    group_starts = np.zeros(batch + 1, np.int64)
-    for b in range(batch):
-        for r in range(offsets[b], offsets[b + 1]):
-            num_keys[b] = max(num_keys[b], visible[r])
-        task_starts[b + 1] = task_starts[b] + (num_keys[b] + _SCORE_KEYS_PER_TASK - 1) // _SCORE_KEYS_PER_TASK
-        group_starts[b + 1] = group_starts[b] + (offsets[b + 1] - offsets[b] + group_rows - 1) // group_rows
-    q_t = np.zeros((group_starts[batch], dim, group_lanes), np.float32)
-    for r in range(total_q):  # serial: cheap, and a parallel region costs a barrier
-        b = np.searchsorted(offsets, r, side="right") - 1
-        local = r - offsets[b]
-        block = q_t[group_starts[b] + local // group_rows]
-        for h in range(heads):
-            q_row, lane = q[r, h], local % group_rows * heads + h
-            for d in range(dim):
-                block[d, lane] = widen(q_row[d])
-        score_row = scores[r]
-        for p in range(visible[r], scores.shape[1]):
-            score_row[p] = -np.inf
+    num_keys, task_starts, group_starts, q_t, group_rows = plan_score_tasks(scores, q, offsets, visible)
+    group_lanes = q_t.shape[2]
     for task in numba.prange(task_starts[batch]):
         b = np.searchsorted(task_starts, task, side="right") - 1
         first_row, end_row = offsets[b], offsets[b + 1]
-        p0 = (task - task_starts[b]) * _SCORE_KEYS_PER_TASK
-        chunk = min(_SCORE_KEYS_PER_TASK, num_keys[b] - p0)
-        chunk_keys = np.empty((_SCORE_KEYS_PER_TASK, dim), np.float32)  # widened; rows past chunk zeroed below
+        p0 = (task - task_starts[b]) * KEYS_PER_TASK
+        chunk = min(KEYS_PER_TASK, num_keys[b] - p0)
+        chunk_keys = np.empty((KEYS_PER_TASK, dim), np.float32)  # widened; rows past chunk zeroed below
         column = 0
         while column < chunk:  # page by page: a page's pools are consecutive rows
             pool = p0 + column
@@ -324,8 +302,8 @@ def _score_kernel(scores, q, head_weights, cache, page_stride, base, per_page, t
             for e in range(run * dim):
                 widened[e] = widen(page_keys[e])
             column += run
-        chunk_keys[chunk : min(_SCORE_KEYS_PER_TASK, chunk + KEYS_PER_TILE)] = 0.0
-        dots = np.empty((_SCORE_KEYS_PER_TASK, group_lanes), np.float32)
+        chunk_keys[chunk : min(KEYS_PER_TASK, chunk + KEYS_PER_TILE)] = 0.0
+        dots = np.empty((KEYS_PER_TASK, group_lanes), np.float32)
         for r0 in range(first_row, end_row, group_rows):
             r1 = min(r0 + group_rows, end_row)
             lanes = ((r1 - r0) * heads + VECTOR - 1) // VECTOR * VECTOR

@@ -46,11 +46,9 @@ import torch
 from numba import prange
 
 from ._bits import as_numba, narrow, widen
-from ._dot_tile import KEYS_PER_TILE, VECTOR, tile_dots
+from ._dot_tile import KEYS_PER_TASK, KEYS_PER_TILE, VECTOR, plan_score_tasks, tile_dots
 from ._parallel import PARALLEL_JIT, threads_for
 
-_KEYS_PER_TASK = 128  # block keys per block-score task: enough work per task, little scratch
-_LANES_PER_GROUP = 32  # (row, head) pairs whose dot products run together over a task's keys
 _ROWS_PER_TASK = 64  # block-key rows per compress task
 _ROWS_PER_GROUP = 8  # block keys whose RMSNorm sums run interleaved
 _TOKENS_PER_CHUNK = 64  # selected tokens whose keys sparse attention transposes at once
@@ -216,42 +214,23 @@ def _block_score_kernel(scores, q, keys, offsets, positions, ratio, max_blocks, 
     total_q, heads, dim = q.shape
     batch = offsets.shape[0] - 1
     usable_cols = min(scores.shape[1], max_blocks)
-    group_rows = max(1, _LANES_PER_GROUP // max(heads, 1))
-    group_lanes = (group_rows * heads + VECTOR - 1) // VECTOR * VECTOR
     visible = np.empty(total_q, np.int64)
-    num_keys = np.zeros(batch, np.int64)  # keys a sequence needs: its rows' largest visibility
-    task_starts = np.zeros(batch + 1, np.int64)
-    group_starts = np.zeros(batch + 1, np.int64)
-    for b in range(batch):
-        for r in range(offsets[b], offsets[b + 1]):
-            visible[r] = min(max((positions[r] + 1) // ratio, 0), usable_cols)
-            num_keys[b] = max(num_keys[b], visible[r])
-        task_starts[b + 1] = task_starts[b] + (num_keys[b] + _KEYS_PER_TASK - 1) // _KEYS_PER_TASK
-        group_starts[b + 1] = group_starts[b] + (offsets[b + 1] - offsets[b] + group_rows - 1) // group_rows
-    q_t = np.zeros((group_starts[batch], dim, group_lanes), np.float32)
-    for r in range(total_q):  # serial: cheap, and a parallel region costs a barrier
-        b = np.searchsorted(offsets, r, side="right") - 1
-        local = r - offsets[b]
-        block = q_t[group_starts[b] + local // group_rows]
-        for h in range(heads):
-            q_row, lane = q[r, h], local % group_rows * heads + h
-            for d in range(dim):
-                block[d, lane] = widen(q_row[d])
-        score_row = scores[r]
-        for g in range(visible[r], scores.shape[1]):
-            score_row[g] = -np.inf
+    for r in range(total_q):
+        visible[r] = min(max((positions[r] + 1) // ratio, 0), usable_cols)
+    num_keys, task_starts, group_starts, q_t, group_rows = plan_score_tasks(scores, q, offsets, visible)
+    group_lanes = q_t.shape[2]
     for task in prange(task_starts[batch]):
         b = np.searchsorted(task_starts, task, side="right") - 1
         first_row, end_row = offsets[b], offsets[b + 1]
-        g0 = (task - task_starts[b]) * _KEYS_PER_TASK
-        chunk = min(_KEYS_PER_TASK, num_keys[b] - g0)
-        chunk_keys = np.empty((_KEYS_PER_TASK, dim), np.float32)  # widened; rows past chunk zeroed below
+        g0 = (task - task_starts[b]) * KEYS_PER_TASK
+        chunk = min(KEYS_PER_TASK, num_keys[b] - g0)
+        chunk_keys = np.empty((KEYS_PER_TASK, dim), np.float32)  # widened; rows past chunk zeroed below
         source = keys[b * max_blocks + g0 : b * max_blocks + g0 + chunk]
         for i in range(chunk):
             for d in range(dim):
                 chunk_keys[i, d] = widen(source[i, d])
-        chunk_keys[chunk : min(_KEYS_PER_TASK, chunk + KEYS_PER_TILE)] = 0.0
-        dots = np.empty((_KEYS_PER_TASK, group_lanes), np.float32)
+        chunk_keys[chunk : min(KEYS_PER_TASK, chunk + KEYS_PER_TILE)] = 0.0
+        dots = np.empty((KEYS_PER_TASK, group_lanes), np.float32)
         for r0 in range(first_row, end_row, group_rows):
             r1 = min(r0 + group_rows, end_row)
             lanes = ((r1 - r0) * heads + VECTOR - 1) // VECTOR * VECTOR
