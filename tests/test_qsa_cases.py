@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 
 import torch
+from spec4 import assert_spec_close
 
 from sparsekv import PagedKVCacheCollection
 
@@ -80,36 +81,6 @@ def poisoned(shape, dtype) -> torch.Tensor:
     if dtype.is_floating_point:
         return torch.full(shape, float("nan"), dtype=dtype)
     return torch.full(shape, -12345, dtype=dtype)
-
-
-# ---- comparisons (SPEC 4) ------------------------------------------------------
-
-def _ordered_bits(x: torch.Tensor) -> torch.Tensor:
-    """Map 16-bit floats to integers whose difference counts ulps (sign-magnitude -> ordered)."""
-    bits = x.contiguous().view(torch.int16).to(torch.int32)
-    return torch.where(bits < 0, -(bits & 0x7FFF), bits)
-
-
-def assert_spec_close(actual: torch.Tensor, expected: torch.Tensor, *, what: str = "") -> None:
-    """SPEC 4: fp32 within 1e-5 relative; bf16/fp16 <= 1 ulp apart and >= 99% equal. No NaN."""
-    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
-    assert not torch.isnan(actual).any(), f"{what}: NaN in the output (unwritten or poisoned elements)"
-    assert torch.equal(torch.isnan(actual), torch.isnan(expected))
-    if actual.numel() == 0:
-        return
-    if actual.dtype in (torch.bfloat16, torch.float16):
-        ulps = (_ordered_bits(actual) - _ordered_bits(expected)).abs()
-        assert int(ulps.max()) <= 1, f"{what}: {int(ulps.max())} ulps apart"
-        equal = float((ulps == 0).float().mean())
-        assert equal >= 0.99, f"{what}: only {equal:.2%} equal"
-    else:
-        a, e = actual.double(), expected.double()
-        finite = torch.isfinite(e)
-        assert torch.equal(finite, torch.isfinite(a)) and torch.equal(a[~finite], e[~finite]), f"{what}: inf mismatch"
-        err = (a[finite] - e[finite]).abs()
-        bound = 1e-5 * e[finite].abs() + 1e-6 * (e[finite].abs().max() if finite.any() else 0)
-        assert bool((err <= bound).all()), f"{what}: max error {float(err.max())}"
 
 
 # ---- tests of the builders ----------------------------------------------------

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
+import functools
 
+import pytest
+import spec4
+import torch
 from triton_support import DEVICE, gpu_validation_rules, require_triton
 
 pytestmark = pytest.mark.triton
@@ -13,30 +15,13 @@ require_triton()
 from sparsekv.kernels.reference import kpool as ref
 from sparsekv.kernels.triton import kpool as tri
 
-
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 MODES = ["softmax", "mean", "last"]
 
 
-def assert_spec_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    """SPEC 4: fp32 within 1e-5 relative; bf16/fp16 at most one ulp apart and >= 99% equal."""
-    assert actual.shape == expected.shape and actual.dtype == expected.dtype
-    assert torch.equal(torch.isnan(actual), torch.isnan(expected)), "NaN pattern differs"
-    a, e = actual.float().cpu(), expected.float().cpu()
-    if actual.dtype == torch.float32:
-        finite = torch.isfinite(e)
-        scale = e[finite].abs().max().item() if finite.any() else 1.0
-        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5 * max(scale, 1e-30), equal_nan=True)
-        return
-    bits_a = actual.cpu().view(torch.int16).to(torch.int32)
-    bits_e = expected.cpu().view(torch.int16).to(torch.int32)
-    ordered_a = torch.where(bits_a < 0, -32768 - bits_a, bits_a)
-    ordered_e = torch.where(bits_e < 0, -32768 - bits_e, bits_e)
-    ulps = (ordered_a - ordered_e).abs()
-    ulps = torch.where((a == 0) & (e == 0), torch.zeros_like(ulps), ulps)
-    assert int(ulps.max()) <= 1, f"max ulp distance {int(ulps.max())}"
-    equal = (ulps == 0).float().mean().item()
-    assert equal >= 0.99, f"only {equal:.2%} of elements equal"
+# the Triton kernels' fp32 results may differ from the reference by 1e-5 of the output's scale
+# (fast exp, tiled sums), and some cases feed NaN on purpose
+assert_spec_close = functools.partial(spec4.assert_spec_close, scale_atol=1e-5, nan_ok=True)
 
 
 def offsets_of(lengths):
