@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from spec4 import assert_spec_close
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -184,7 +185,9 @@ def test_ring_ops_cpu_matches_reference(dtype):
             backend.mla_kpool_ring_close(closed, ids, ring, slots, k, gate, ape, offsets, cache, kpool, mode)
             outs.append((closed, ids))
         assert torch.equal(outs[0][1], outs[1][1])
-        assert torch.equal(outs[0][0].view(torch.uint8), outs[1][0].view(torch.uint8))
+        assert_spec_close(outs[1][0], outs[0][0], what=mode, scale_atol=1e-7)
+        if mode != "softmax":  # no exp: the same roundings as the reference
+            assert torch.equal(outs[0][0].view(torch.uint8), outs[1][0].view(torch.uint8))
     rings = [ring.clone(), ring.clone()]
     ref.mla_kpool_seed_tail(rings[0], slots, k, gate, offsets, cache, kpool)
     cpu.mla_kpool_seed_tail(rings[1], slots, k, gate, offsets, cache, kpool)

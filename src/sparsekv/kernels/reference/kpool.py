@@ -38,7 +38,7 @@ Pool math (all in float32, one cast to ``k``'s dtype at the end), per channel:
 Every product, quotient and sum is rounded to float32 on its own (no fused
 multiply-add). These rounding points are the contract: a backend that follows
 them in this order agrees with this module bit for bit; one that uses a
-float32 ``exp`` agrees within SPEC 4 (one ulp) instead.
+float32 ``exp`` (the CPU fast path, Triton) agrees within SPEC 4 instead.
 
 The score kernel takes no per-sequence pool count: a row sees the pools its
 position completes (``(t+1) // kpool``, capped by ``scores.shape[1]``), and
