@@ -6,10 +6,10 @@ import torch
 
 from .._checks import check_int, check_offsets, check_tensor
 from ..cache.layout import PagedKVCacheCollection
-from ._registry import debug_checks, kernel
+from ._registry import debug_checks, kernel, out_op
 
 
-@torch.library.custom_op("sparsekv::paged_store", mutates_args=("blocks",))
+@out_op("paged_store", mutates_args=("blocks",))
 def _paged_store_op(
     blocks: torch.Tensor,
     values: torch.Tensor,
@@ -23,10 +23,6 @@ def _paged_store_op(
         blocks, values, lookup_table, cache_lengths, input_row_offsets, plane, layer
     )
 
-
-@_paged_store_op.register_fake
-def _(blocks, values, lookup_table, cache_lengths, input_row_offsets, plane, layer) -> None:
-    return None
 
 
 def paged_store(

@@ -38,7 +38,7 @@ import torch
 from .._checks import KEY_DTYPES, as_index_tensor, check_int, check_offsets, check_tensor
 from ..cache.layout import PagedKVCacheCollection
 from ..kernels.reference.kpool import MODES
-from ._registry import debug_checks, kernel
+from ._registry import debug_checks, kernel, out_op
 
 FAMILY = "kpool"
 
@@ -63,7 +63,7 @@ class KPoolSelection(NamedTuple):
 # torch's own ``mode`` parameter when the op is dispatched under a torch mode
 # (FakeTensorMode, AOT dispatch).
 # ---------------------------------------------------------------------------
-@torch.library.custom_op("sparsekv::mla_kpool_compress", mutates_args=("pooled",))
+@out_op("mla_kpool_compress", mutates_args=("pooled",))
 def _compress_op(pooled: torch.Tensor, k: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor,
                  input_row_offsets: torch.Tensor, pool_row_offsets: torch.Tensor, cache_lengths: torch.Tensor,
                  kpool: int, pool_mode: str) -> None:
@@ -71,12 +71,8 @@ def _compress_op(pooled: torch.Tensor, k: torch.Tensor, gate: torch.Tensor, ape:
         pooled, k, gate, ape, input_row_offsets, pool_row_offsets, cache_lengths, kpool, pool_mode)
 
 
-@_compress_op.register_fake
-def _(pooled, k, gate, ape, input_row_offsets, pool_row_offsets, cache_lengths, kpool, pool_mode) -> None:
-    return None
 
-
-@torch.library.custom_op("sparsekv::mla_kpool_ring_close", mutates_args=("closed", "closed_ids"))
+@out_op("mla_kpool_ring_close", mutates_args=("closed", "closed_ids"))
 def _ring_close_op(closed: torch.Tensor, closed_ids: torch.Tensor, ring: torch.Tensor, slot_ids: torch.Tensor,
                    k: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, input_row_offsets: torch.Tensor,
                    cache_lengths: torch.Tensor, kpool: int, pool_mode: str) -> None:
@@ -84,33 +80,21 @@ def _ring_close_op(closed: torch.Tensor, closed_ids: torch.Tensor, ring: torch.T
         closed, closed_ids, ring, slot_ids, k, gate, ape, input_row_offsets, cache_lengths, kpool, pool_mode)
 
 
-@_ring_close_op.register_fake
-def _(closed, closed_ids, ring, slot_ids, k, gate, ape, input_row_offsets, cache_lengths, kpool, pool_mode) -> None:
-    return None
 
-
-@torch.library.custom_op("sparsekv::mla_kpool_seed_tail", mutates_args=("ring",))
+@out_op("mla_kpool_seed_tail", mutates_args=("ring",))
 def _seed_tail_op(ring: torch.Tensor, slot_ids: torch.Tensor, k: torch.Tensor, gate: torch.Tensor,
                   input_row_offsets: torch.Tensor, cache_lengths: torch.Tensor, kpool: int) -> None:
     kernel(FAMILY, "mla_kpool_seed_tail", k.device)(ring, slot_ids, k, gate, input_row_offsets, cache_lengths, kpool)
 
 
-@_seed_tail_op.register_fake
-def _(ring, slot_ids, k, gate, input_row_offsets, cache_lengths, kpool) -> None:
-    return None
 
-
-@torch.library.custom_op("sparsekv::mla_kpool_score", mutates_args=("scores",))
+@out_op("mla_kpool_score", mutates_args=("scores",))
 def _score_op(scores: torch.Tensor, q: torch.Tensor, head_weights: torch.Tensor, pooled_blocks: torch.Tensor,
               lookup_table: torch.Tensor, query_positions: torch.Tensor, input_row_offsets: torch.Tensor,
               kpool: int, layer: int) -> None:
     kernel(FAMILY, "mla_kpool_score", q.device)(
         scores, q, head_weights, pooled_blocks, lookup_table, query_positions, input_row_offsets, kpool, layer)
 
-
-@_score_op.register_fake
-def _(scores, q, head_weights, pooled_blocks, lookup_table, query_positions, input_row_offsets, kpool, layer) -> None:
-    return None
 
 
 # ---------------------------------------------------------------------------

@@ -25,7 +25,7 @@ import torch
 from .._checks import KEY_DTYPES, as_index_tensor, check_int, check_offsets, check_same_dtype, check_tensor
 from ..cache.layout import PagedKVCacheCollection, ragged_rows
 from ..kernels.reference.qsa import check_needed_pages
-from ._registry import debug_checks, kernel
+from ._registry import debug_checks, kernel, out_op
 from .select import SelectedTokens, select_blocks_expand
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -33,7 +33,7 @@ FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 # ---- custom ops (out-style) ------------------------------------------------
 
-@torch.library.custom_op("sparsekv::qsa_compress_keys_paged", mutates_args=("block_keys",))
+@out_op("qsa_compress_keys_paged", mutates_args=("block_keys",))
 def _compress_op(
     block_keys: torch.Tensor,
     gamma: torch.Tensor,
@@ -50,12 +50,8 @@ def _compress_op(
     )
 
 
-@_compress_op.register_fake
-def _(block_keys, gamma, freqs_cis, key_counts, blocks, lookup_table, layer, ratio, eps) -> None:
-    return None
 
-
-@torch.library.custom_op("sparsekv::qsa_block_score", mutates_args=("scores",))
+@out_op("qsa_block_score", mutates_args=("scores",))
 def _block_score_op(
     scores: torch.Tensor,
     q: torch.Tensor,
@@ -70,12 +66,8 @@ def _block_score_op(
     )
 
 
-@_block_score_op.register_fake
-def _(scores, q, block_keys, query_positions, input_row_offsets, ratio, score_scale) -> None:
-    return None
 
-
-@torch.library.custom_op("sparsekv::qsa_sparse_attention_paged", mutates_args=("out", "lse"))
+@out_op("qsa_sparse_attention_paged", mutates_args=("out", "lse"))
 def _sparse_attention_op(
     out: torch.Tensor,
     lse: torch.Tensor,
@@ -93,10 +85,6 @@ def _sparse_attention_op(
         out, lse, q, blocks, lookup_table, indices, counts, input_row_offsets, layer, scale, gate
     )
 
-
-@_sparse_attention_op.register_fake
-def _(out, lse, q, blocks, lookup_table, indices, counts, input_row_offsets, layer, scale, gate) -> None:
-    return None
 
 
 # ---- helpers ---------------------------------------------------------------

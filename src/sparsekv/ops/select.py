@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 
 from .._checks import as_index_tensor, check_int, check_tensor
-from ._registry import debug_checks, kernel
+from ._registry import debug_checks, kernel, out_op
 
 
 class SelectedTokens(NamedTuple):
@@ -22,7 +22,7 @@ class SelectedTokens(NamedTuple):
     counts: torch.Tensor
 
 
-@torch.library.custom_op("sparsekv::select_blocks_expand", mutates_args=("indices", "counts"))
+@out_op("select_blocks_expand", mutates_args=("indices", "counts"))
 def _select_blocks_expand_op(
     indices: torch.Tensor,
     counts: torch.Tensor,
@@ -36,10 +36,6 @@ def _select_blocks_expand_op(
         indices, counts, scores, query_positions, ratio, budget, include_tail
     )
 
-
-@_select_blocks_expand_op.register_fake
-def _(indices, counts, scores, query_positions, ratio, budget, include_tail) -> None:
-    return None
 
 
 def select_blocks_expand(

@@ -15,6 +15,20 @@ Order, the same for every (lane, key) whatever the tile: ``acc = 0``, then
 So a dot product does not depend on the lanes or keys that share its tile or
 call, and the score kernels' results do not depend on how rows are batched.
 
+bf16 keys and queries take a channel-pair path instead: the tile multiplies
+bf16 pairs straight from the keys' bits with AVX-512 BF16's ``VDPBF16PS``
+(twice the multiply-adds per instruction, and no widening pass). Its order,
+per pair ``j``: ``acc = fma(q[2j+1], k[2j+1], acc)``, then ``acc =
+fma(q[2j], k[2j], acc)`` (bf16 products are exact in float32, so each step
+rounds once; checked against the instruction bit for bit). Machines without
+the instruction run those two fused multiply-adds, so a dot product is the
+same on every machine but for subnormal inputs, which the instruction treats
+as zero. Odd ``D`` gets a zero channel to make the last pair.
+For this path the keys stay ``uint16`` (``[keys, 2P]``, ``P`` pairs) and the
+queries are packed as ``int32`` pairs ``[P, lanes]`` (channel ``2j`` in the
+low half); :func:`dots_of_rows` and :func:`plan_score_tasks` pick the layout
+from the dtypes.
+
 Example: ``q_t`` ``[128, 16]`` (4 rows x 4 heads), ``keys`` ``[128, 128]``:
 ``tile_dots(dots, q_t, keys, 16, 100)`` runs 13 tiles and writes
 ``dots[:104]``; rows 100..103 come from ``keys``' rows 100..103 (keep them
@@ -32,7 +46,8 @@ import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.core.codegen import get_host_cpu_features
+from numba.extending import intrinsic, overload
 
 from ._bits import widen
 
@@ -40,20 +55,49 @@ VECTOR = 16  # float32 lanes per vector (AVX-512); LLVM splits the vectors on na
 KEYS_PER_TILE = 8
 
 
+class _BFloat(ir.Type):
+    """LLVM's ``bfloat`` (llvmlite has no class for it): the element type of the BF16 intrinsic's operands."""
+
+    def _to_string(self) -> str:
+        return "bfloat"
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _BFloat)
+
+    def __hash__(self) -> int:
+        return hash(_BFloat)
+
+
+def _target_has_bf16_dot() -> bool:
+    """Whether numba compiles for a CPU with ``VDPBF16PS`` (its target features, which ``NUMBA_CPU_FEATURES`` sets)."""
+    features = numba.core.config.CPU_FEATURES
+    return "+avx512bf16" in (get_host_cpu_features() if features is None else features).split(",")
+
+
+def _is_c_matrix(array, dtype) -> bool:
+    return isinstance(array, types.Array) and array.ndim == 2 and array.layout == "C" and array.dtype == dtype
+
+
 def _make_tile(lane_vectors: int):
     """An intrinsic ``tile(dots, q_t, keys, lane0, key0)`` for ``lane_vectors * VECTOR`` lanes x ``KEYS_PER_TILE`` keys.
 
-    All three arrays are float32, 2-d, C-contiguous; the caller keeps
-    ``lane0 + lane_vectors*VECTOR`` within ``q_t``'s and ``dots``' columns and
-    ``key0 + KEYS_PER_TILE`` within ``keys``' and ``dots``' rows (no bounds checks here).
+    ``dots`` float32; either ``q_t`` and ``keys`` float32 (channels), or
+    ``q_t`` int32 ``[P, lanes]`` and ``keys`` uint16 ``[rows, 2P]`` (bf16
+    channel pairs); all 2-d, C-contiguous. The caller keeps ``lane0 +
+    lane_vectors*VECTOR`` within ``q_t``'s and ``dots``' columns and ``key0 +
+    KEYS_PER_TILE`` within ``keys``' and ``dots``' rows (no bounds checks here).
     """
 
     @intrinsic
     def tile(typingctx, dots, q_t, keys, lane0, key0):
-        for array in (dots, q_t, keys):
-            if not (isinstance(array, types.Array) and array.ndim == 2 and array.layout == "C"
-                    and array.dtype == types.float32):
-                return None
+        if not _is_c_matrix(dots, types.float32):
+            return None
+        if _is_c_matrix(q_t, types.float32) and _is_c_matrix(keys, types.float32):
+            pairs = False
+        elif _is_c_matrix(q_t, types.int32) and _is_c_matrix(keys, types.uint16):
+            pairs = True
+        else:
+            return None
         signature = types.void(dots, q_t, keys, types.intp, types.intp)
 
         def codegen(context, builder, sig, args):
@@ -62,19 +106,62 @@ def _make_tile(lane_vectors: int):
             lane0, key0 = args[3], args[4]
             index = ir.IntType(64)
             vector = ir.VectorType(ir.FloatType(), VECTOR)
+            words = ir.VectorType(ir.IntType(32), VECTOR)
             fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vector, [vector] * 3),
                                                  "llvm.fma.v16f32")
             q_cols = builder.extract_value(q_arr.shape, 1)
-            depth = builder.extract_value(keys_arr.shape, 1)
+            depth = builder.extract_value(q_arr.shape, 0)  # channels, or channel pairs
+            key_row = builder.extract_value(keys_arr.shape, 1)
+            if pairs:
+                key_row = builder.sdiv(key_row, ir.Constant(index, 2))  # in 32-bit words
+                key_data = builder.bitcast(keys_arr.data, ir.IntType(32).as_pointer())
+                q_type = words
+            else:
+                key_data = keys_arr.data
+                q_type = vector
             dots_cols = builder.extract_value(dots_arr.shape, 1)
+            i32 = ir.IntType(32)
+            prefetch = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), i32, i32, i32]),
+                "llvm.prefetch.p0")
 
             def constant(value):
                 return ir.Constant(index, value)
 
-            def vector_at(data, offset):
-                return builder.bitcast(builder.gep(data, [offset]), vector.as_pointer())
+            def vector_at(data, offset, kind):
+                return builder.bitcast(builder.gep(data, [offset]), kind.as_pointer())
 
-            key_starts = [builder.mul(builder.add(key0, constant(k)), depth) for k in range(KEYS_PER_TILE)]
+            def splat(value, kind):
+                one = builder.insert_element(ir.Constant(kind, ir.Undefined), value, ir.Constant(ir.IntType(32), 0))
+                return builder.shuffle_vector(one, ir.Constant(kind, ir.Undefined),
+                                              ir.Constant(ir.VectorType(ir.IntType(32), VECTOR), [0] * VECTOR))
+
+            if pairs and _target_has_bf16_dot():
+                bf16_pairs = ir.VectorType(_BFloat(), 2 * VECTOR)
+                dot_pairs = cgutils.get_or_insert_function(
+                    builder.module, ir.FunctionType(vector, [vector, bf16_pairs, bf16_pairs]),
+                    "llvm.x86.avx512bf16.dpbf16ps.512")
+
+                def multiply_add(q_vec, key_word, acc):
+                    return builder.call(dot_pairs, [acc, builder.bitcast(q_vec, bf16_pairs),
+                                                    builder.bitcast(splat(key_word, words), bf16_pairs)])
+            elif pairs:
+                high_mask = ir.Constant(words, [-65536] * VECTOR)
+                shift = ir.Constant(words, [16] * VECTOR)
+
+                def multiply_add(q_vec, key_word, acc):
+                    key_vec = splat(key_word, words)
+                    halves = []
+                    for value in (q_vec, key_vec):
+                        halves.append((builder.bitcast(builder.and_(value, high_mask), vector),
+                                       builder.bitcast(builder.shl(value, shift), vector)))
+                    acc = builder.call(fma, [halves[0][0], halves[1][0], acc])  # channel 2j+1 first, as VDPBF16PS
+                    return builder.call(fma, [halves[0][1], halves[1][1], acc])
+            else:
+                def multiply_add(q_vec, key_value, acc):
+                    return builder.call(fma, [q_vec, splat(key_value, vector), acc])
+
+            key_starts = [builder.mul(builder.add(key0, constant(k)), key_row) for k in range(KEYS_PER_TILE)]
             entry = builder.block
             loop = builder.append_basic_block("tile_channels")
             done = builder.append_basic_block("tile_done")
@@ -87,16 +174,21 @@ def _make_tile(lane_vectors: int):
                 for acc in row:
                     acc.add_incoming(ir.Constant(vector, [0.0] * VECTOR), entry)
             q_start = builder.add(builder.mul(channel, q_cols), lane0)
-            q_vectors = [builder.load(vector_at(q_arr.data, builder.add(q_start, constant(v * VECTOR))), align=4)
+            q_vectors = [builder.load(vector_at(q_arr.data, builder.add(q_start, constant(v * VECTOR)), q_type),
+                                      align=4)
                          for v in range(lane_vectors)]
-            splat = ir.Constant(ir.VectorType(ir.IntType(32), VECTOR), [0] * VECTOR)
+            # Prefetch the next tile's keys meanwhile (keys stream from memory in place): at
+            # channel c, word 8*(c // 8) of key row key0 + 8 + c % 8, so over the loop every
+            # 32 bytes of the next 8 rows. A prefetch never faults: rows past the end need no guard.
+            ahead = builder.add(builder.add(key0, constant(KEYS_PER_TILE)), builder.and_(channel, constant(7)))
+            ahead_word = builder.add(builder.mul(ahead, key_row), builder.and_(channel, constant(-8)))
+            builder.call(prefetch, [builder.bitcast(builder.gep(key_data, [ahead_word]), ir.IntType(8).as_pointer()),
+                                    ir.Constant(ir.IntType(32), 0), ir.Constant(ir.IntType(32), 3),
+                                    ir.Constant(ir.IntType(32), 1)])
             updated = []
             for k in range(KEYS_PER_TILE):
-                key_value = builder.load(builder.gep(keys_arr.data, [builder.add(key_starts[k], channel)]))
-                spread = builder.insert_element(ir.Constant(vector, ir.Undefined), key_value,
-                                                ir.Constant(ir.IntType(32), 0))
-                spread = builder.shuffle_vector(spread, ir.Constant(vector, ir.Undefined), splat)
-                updated.append([builder.call(fma, [q_vectors[v], spread, accumulators[k][v]])
+                key_value = builder.load(builder.gep(key_data, [builder.add(key_starts[k], channel)]))
+                updated.append([multiply_add(q_vectors[v], key_value, accumulators[k][v])
                                 for v in range(lane_vectors)])
             next_channel = builder.add(channel, constant(1))
             body_end = builder.block
@@ -109,7 +201,8 @@ def _make_tile(lane_vectors: int):
             for k in range(KEYS_PER_TILE):
                 row_start = builder.add(builder.mul(builder.add(key0, constant(k)), dots_cols), lane0)
                 for v in range(lane_vectors):
-                    builder.store(updated[k][v], vector_at(dots_arr.data, builder.add(row_start, constant(v * VECTOR))),
+                    builder.store(updated[k][v],
+                                  vector_at(dots_arr.data, builder.add(row_start, constant(v * VECTOR)), vector),
                                   align=4)
             return context.get_dummy_value()
 
@@ -125,10 +218,12 @@ _tile_16_lanes, _tile_32_lanes = _make_tile(1), _make_tile(2)
 def tile_dots(dots, q_t, keys, lanes, num_keys):
     """``dots[i, l] = keys[i] . q_t[:, l]`` for ``l < lanes``, ``i < num_keys`` rounded up to ``KEYS_PER_TILE``.
 
-    ``q_t [D, >= lanes]``, ``keys [>= rounded keys, D]``, ``dots [>= rounded keys, >= lanes]``,
-    float32 C-contiguous; ``lanes`` a multiple of ``VECTOR``; ``D >= 1``.
+    ``q_t [D, >= lanes]``, ``keys [>= rounded keys, D]``, float32 (or the
+    bf16 pair layout: ``q_t`` int32 ``[P, >= lanes]``, ``keys`` uint16
+    ``[>= rounded keys, 2P]``); ``dots [>= rounded keys, >= lanes]`` float32;
+    all C-contiguous; ``lanes`` a multiple of ``VECTOR``.
     """
-    if keys.shape[1] == 0:  # the tile's channel loop runs at least once
+    if q_t.shape[0] == 0:  # the tile's channel loop runs at least once
         dots[: (num_keys + KEYS_PER_TILE - 1) // KEYS_PER_TILE * KEYS_PER_TILE, :lanes] = 0.0
         return
     for key0 in range(0, num_keys, KEYS_PER_TILE):
@@ -138,6 +233,110 @@ def tile_dots(dots, q_t, keys, lanes, num_keys):
             lane0 += 2 * VECTOR
         if lane0 < lanes:
             _tile_16_lanes(dots, q_t, keys, lane0, key0)
+
+
+def new_scratch(keys, dim):
+    """Scratch rows in the tile's layout for keys like ``keys`` (numba only), enough for
+    :func:`dots_of_rows` on up to ``KEYS_PER_TASK`` rows: uint16 ``[KEYS_PER_TASK + KEYS_PER_TILE, 2P]``
+    for bf16 (``uint16``) keys (the zero channel of an odd ``D`` set), else float32 ``[..., dim]``."""
+    raise NotImplementedError
+
+
+@overload(new_scratch, inline="always")
+def _new_scratch_overload(keys, dim):
+    if keys.dtype == types.uint16:
+        def bf16_scratch(keys, dim):
+            scratch = np.empty((KEYS_PER_TASK + KEYS_PER_TILE, 2 * ((dim + 1) // 2)), np.uint16)
+            scratch[:, dim:] = 0  # the zero channel that completes an odd D's last pair
+            return scratch
+        return bf16_scratch
+    return lambda keys, dim: np.empty((KEYS_PER_TASK + KEYS_PER_TILE, dim), np.float32)
+
+
+def _in_tile_layout(rows, scratch):
+    """``rows [n, D]`` as stored, in the tile's layout (numba only): ``rows`` themselves for float32 and
+    for bf16 with an even ``D`` (read in place), else converted into ``scratch[:n]``."""
+    raise NotImplementedError
+
+
+@overload(_in_tile_layout, inline="always")
+def _in_tile_layout_overload(rows, scratch):
+    if rows.dtype == types.float32:
+        return lambda rows, scratch: rows
+    if rows.dtype == types.uint16:
+        def bf16_rows(rows, scratch):
+            n, dim = rows.shape
+            if dim % 2 == 0:
+                return rows
+            for i in range(n):
+                scratch[i, :dim] = rows[i]
+            return scratch[:n]
+        return bf16_rows
+
+    def widened_rows(rows, scratch):
+        n, dim = rows.shape
+        for i in range(n):
+            for d in range(dim):
+                scratch[i, d] = widen(rows[i, d])
+        return scratch[:n]
+    return widened_rows
+
+
+@numba.njit(cache=True, nogil=True)
+def dots_of_rows(dots, q_t, rows, lanes, scratch):
+    """``dots[i, l] = rows[i] . q_t[:, l]`` for ``i < n``, ``l < lanes``; may write up to
+    ``KEYS_PER_TILE - 1`` more rows of ``dots``, never reads past ``rows``.
+
+    ``rows [n, D]`` (``n <= KEYS_PER_TASK``) as stored: float32, bf16 bits
+    (``uint16``) or fp16 bits (``int16``), C-contiguous, e.g. consecutive
+    pooled keys of one page. float32 and even-``D`` bf16 rows are read in
+    place; whole tiles of 8 rows run on them directly and the last ``n % 8``
+    rows from a zero-padded copy in ``scratch`` (:func:`new_scratch`). So the
+    keys stream from memory while the tile computes, instead of being copied
+    first (the copy had cost as much as the products).
+    """
+    n = rows.shape[0]
+    keys = _in_tile_layout(rows, scratch)
+    full = n - n % KEYS_PER_TILE
+    if full > 0:
+        tile_dots(dots, q_t, keys, lanes, full)
+    if n > full:
+        tail = scratch[KEYS_PER_TASK:]
+        tail[: n - full] = keys[full:n]
+        tail[n - full :] = 0
+        tile_dots(dots[full:], q_t, tail, lanes, n - full)
+
+
+def _new_query_tiles(q, groups, lanes):
+    """Zeroed query tiles for ``groups`` row groups (numba only): int32 pairs ``[groups, P, lanes]`` for
+    bf16 (``uint16``) queries, else float32 ``[groups, D, lanes]``."""
+    raise NotImplementedError
+
+
+@overload(_new_query_tiles, inline="always")
+def _new_query_tiles_overload(q, groups, lanes):
+    if q.dtype == types.uint16:
+        return lambda q, groups, lanes: np.zeros((groups, (q.shape[2] + 1) // 2, lanes), np.int32)
+    return lambda q, groups, lanes: np.zeros((groups, q.shape[2], lanes), np.float32)
+
+
+def _put_query(tile, lane, q_row):
+    """Column ``lane`` of one group's query tile = ``q_row`` in the tile's layout (numba only)."""
+    raise NotImplementedError
+
+
+@overload(_put_query, inline="always")
+def _put_query_overload(tile, lane, q_row):
+    if tile.dtype == types.int32:
+        def pack_pairs(tile, lane, q_row):
+            for d in range(q_row.shape[0]):
+                tile[d // 2, lane] |= np.int32(np.int64(q_row[d]) << (16 * (d % 2)))
+        return pack_pairs
+
+    def widen_column(tile, lane, q_row):
+        for d in range(q_row.shape[0]):
+            tile[d, lane] = widen(q_row[d])
+    return widen_column
 
 
 KEYS_PER_TASK = 128
@@ -159,7 +358,7 @@ def plan_score_tasks(scores, q, offsets, visible):
     rows' largest visibility), split into tasks ``task_starts[b] ..
     task_starts[b+1]`` of ``KEYS_PER_TASK`` keys; its rows form groups
     ``group_starts[b] ..`` of ``group_rows`` rows, and ``q_t[group]`` ``[D,
-    lanes]`` holds a group's queries widened and transposed (lane
+    lanes]`` (bf16: int32 pairs ``[P, lanes]``) holds a group's queries transposed (lane
     ``row*heads + h``, zeros in the padding lanes).
     """
     total_q, heads, dim = q.shape
@@ -174,15 +373,13 @@ def plan_score_tasks(scores, q, offsets, visible):
             num_keys[b] = max(num_keys[b], visible[r])
         task_starts[b + 1] = task_starts[b] + (num_keys[b] + KEYS_PER_TASK - 1) // KEYS_PER_TASK
         group_starts[b + 1] = group_starts[b] + (offsets[b + 1] - offsets[b] + group_rows - 1) // group_rows
-    q_t = np.zeros((group_starts[batch], dim, group_lanes), np.float32)
+    q_t = _new_query_tiles(q, group_starts[batch], group_lanes)
     for r in range(total_q):
         b = np.searchsorted(offsets, r, side="right") - 1
         local = r - offsets[b]
         block = q_t[group_starts[b] + local // group_rows]
         for h in range(heads):
-            q_row, lane = q[r, h], local % group_rows * heads + h
-            for d in range(dim):
-                block[d, lane] = widen(q_row[d])
+            _put_query(block, local % group_rows * heads + h, q[r, h])
         score_row = scores[r]
         for k in range(visible[r], scores.shape[1]):
             score_row[k] = -np.inf

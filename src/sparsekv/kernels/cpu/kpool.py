@@ -30,12 +30,13 @@ What each kernel is made of, and why (measured with ``benchmarks/bench_kpool.py`
   cores, so a call gets one thread per 1024 pools (at least one).
 * mode last, seed tail: pure gathers/scatters, already memory-bound in torch.
 * score: one numba pass, one task per (sequence, chunk of 128 pools): the
-  chunk's pooled keys are read page by page straight from the paged cache and
-  widened once, then each group of the sequence's rows runs over them in
-  register tiles (:mod:`._dot_tile`: fused multiply-adds, every dot product
-  the same FMA chain in channel order), relu and the head-weighted sum in head
-  order. So a row's scores do not depend on the rows that share the call
-  (BLAS does not promise that), and nothing is gathered into a copy first.
+  chunk's pooled keys are read in place, page by page, through the page table
+  (bf16 as bits, no copy), by each
+  group of the sequence's rows in register tiles (:mod:`._dot_tile`: every
+  dot product the same chain in a fixed channel order; bf16 pairs through
+  ``VDPBF16PS``), then relu and the head-weighted sum in head order. So a
+  row's scores do not depend on the rows that share the call (BLAS does not
+  promise that), and nothing is gathered into a copy first.
 """
 
 from __future__ import annotations
@@ -51,10 +52,9 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from ...cache.layout import resolve_pages
-from ..reference.kpool import compress_member_rows
 from ..reference.kpool import mla_kpool_seed_tail as mla_kpool_seed_tail  # scatter of whole rows: memory-bound
 from ._bits import as_numba, narrow, widen
-from ._dot_tile import KEYS_PER_TASK, KEYS_PER_TILE, VECTOR, plan_score_tasks, tile_dots
+from ._dot_tile import KEYS_PER_TASK, KEYS_PER_TILE, VECTOR, dots_of_rows, new_scratch, plan_score_tasks
 from ._parallel import numba_threads, threads_for
 from .qsa import _first_missing_page  # the same page check: tokens there, pools here
 
@@ -258,12 +258,25 @@ def _pool_rows(out: torch.Tensor, k: torch.Tensor, gate: torch.Tensor, ape: torc
         out.copy_(target)
 
 
+@numba.njit(cache=True, nogil=True)
+def _first_member_rows(offsets, pool_offsets, cached, kpool):
+    """Input row of every emitted pool's first member (the first column of the reference's
+    ``compress_member_rows``), int64 ``[pool_offsets[B]]``, without its ``[pools, kpool]`` temporaries."""
+    starts = np.empty(pool_offsets[-1], np.int64)
+    for b in range(offsets.shape[0] - 1):
+        first = offsets[b] + (kpool - cached[b] % kpool) % kpool
+        for j in range(pool_offsets[b + 1] - pool_offsets[b]):
+            starts[pool_offsets[b] + j] = first + j * kpool
+    return starts
+
+
 def mla_kpool_compress(pooled, k, gate, ape, input_row_offsets, pool_row_offsets, cache_lengths, kpool, mode):
     """See :func:`sparsekv.kernels.reference.kpool.mla_kpool_compress`."""
     if pooled.shape[0] == 0:
         return
-    starts = compress_member_rows(input_row_offsets, pool_row_offsets, cache_lengths, kpool)[:, 0]
-    _pool_rows(pooled, k, gate, ape, starts, mode)
+    starts = _first_member_rows(input_row_offsets.to(torch.int64).numpy(), pool_row_offsets.to(torch.int64).numpy(),
+                                cache_lengths.to(torch.int64).numpy(), kpool)
+    _pool_rows(pooled, k, gate, ape, torch.from_numpy(starts), mode)
 
 
 def mla_kpool_ring_close(closed, closed_ids, ring, slot_ids, k, gate, ape, input_row_offsets, cache_lengths,
@@ -324,10 +337,10 @@ def _score_kernel(scores, q, head_weights, cache, page_stride, base, per_page, t
     """``scores [total_q, out_cols]``; ``q [total_q, heads, D]``; ``cache`` the pooled cache as one flat array:
     pool slot ``s`` of page ``n`` (this layer) starts at ``cache[n*page_stride + base + s*D]``.
 
-    Task = (sequence, chunk of its pools): the chunk's pooled keys are read
-    through the page table and widened once, then each group of the
-    sequence's rows runs over them (:func:`._dot_tile.tile_dots`); a row's
-    score is ``sum_h w_h * relu(dot_h)`` summed in head order. ``q_t[group]``
+    Task = (sequence, chunk of its pools): each group of the sequence's rows
+    runs over the chunk's pooled keys page by page, read in place through the
+    page table (:func:`._dot_tile.dots_of_rows`); a row's score is
+    ``sum_h w_h * relu(dot_h)`` summed in head order. ``q_t[group]``
     holds a row group's queries transposed, ``[D, lanes]``, zero padding lanes.
     """
     total_q, heads, dim = q.shape
@@ -339,24 +352,21 @@ def _score_kernel(scores, q, head_weights, cache, page_stride, base, per_page, t
         first_row, end_row = offsets[b], offsets[b + 1]
         p0 = (task - task_starts[b]) * KEYS_PER_TASK
         chunk = min(KEYS_PER_TASK, num_keys[b] - p0)
-        chunk_keys = np.empty((KEYS_PER_TASK, dim), np.float32)  # widened; rows past chunk zeroed below
-        column = 0
-        while column < chunk:  # page by page: a page's pools are consecutive rows
-            pool = p0 + column
-            slot = pool % per_page
-            run = min(per_page - slot, chunk - column)
-            start = table[b, pool // per_page] * page_stride + base + slot * dim
-            page_keys = cache[start : start + run * dim]  # contiguous: the widening loop vectorises
-            widened = chunk_keys[column : column + run].reshape(run * dim)
-            for e in range(run * dim):
-                widened[e] = widen(page_keys[e])
-            column += run
-        chunk_keys[chunk : min(KEYS_PER_TASK, chunk + KEYS_PER_TILE)] = 0.0
-        dots = np.empty((KEYS_PER_TASK, group_lanes), np.float32)
+        scratch = new_scratch(cache, dim)
+        dots = np.empty((KEYS_PER_TASK + KEYS_PER_TILE, group_lanes), np.float32)
         for r0 in range(first_row, end_row, group_rows):
             r1 = min(r0 + group_rows, end_row)
             lanes = ((r1 - r0) * heads + VECTOR - 1) // VECTOR * VECTOR
-            tile_dots(dots, q_t[group_starts[b] + (r0 - first_row) // group_rows], chunk_keys, lanes, chunk)
+            group_q = q_t[group_starts[b] + (r0 - first_row) // group_rows]
+            column = 0
+            while column < chunk:  # page by page: a page's pools are consecutive rows
+                pool = p0 + column
+                slot = pool % per_page
+                run = min(per_page - slot, chunk - column)
+                start = table[b, pool // per_page] * page_stride + base + slot * dim
+                dots_of_rows(dots[column:], group_q, cache[start : start + run * dim].reshape((run, dim)), lanes,
+                             scratch)
+                column += run
             for r in range(r0, r1):
                 lane0 = (r - r0) * heads
                 seen = max(0, min(chunk, visible[r] - p0))

@@ -9,15 +9,16 @@ What each kernel is made of, and why (measured with ``benchmarks/bench_qsa.py``)
   temporaries of them. The RMSNorm sums of squares of 8 blocks run interleaved
   so that their (ordered) adds do not wait on one another.
 * block score: one task per (sequence, chunk of block keys). The chunk's keys
-  are widened once, then each group of the sequence's rows (about 32 (row,
-  head) lanes, queries transposed) runs over them in register tiles of 16-32
-  lanes x 8 keys (:mod:`._dot_tile`, fused multiply-adds). Each dot product
-  is the same FMA chain in channel order whatever shares its tile, so a row's
-  scores do not depend on which other rows share the call (SPEC 2.6); a BLAS
-  GEMM does not promise that (``torch.mm`` rounds a row differently as the
-  row count changes). FMA rounding differs from the reference's separate
-  products and sums within SPEC 4 (bf16 inputs: their products are exact in
-  float32, so the results are the same).
+  are read in place (float32, or bf16 as bits; fp16 widened into scratch),
+  and each group of the sequence's rows (about 32 (row, head) lanes, queries
+  transposed) runs over them in register tiles of 16-32 lanes x 8 keys
+  (:mod:`._dot_tile`: fused multiply-adds, or for bf16 ``VDPBF16PS`` on
+  channel pairs, twice the multiply-adds per instruction). Each dot product is
+  the same chain in a fixed channel order whatever shares its tile, so a
+  row's scores do not depend on which other rows share the call (SPEC 2.6); a
+  BLAS GEMM does not promise that (``torch.mm`` rounds a row differently as
+  the row count changes). That order differs from the reference's separate
+  products and sums within SPEC 4.
 * sparse attention: one task per (row, KV head) gathers the selected tokens
   through the page table (keys transposed a chunk at a time, as in block
   score) and computes the whole query group's logits, softmax and ``P @ V`` in
@@ -46,7 +47,7 @@ import torch
 from numba import prange
 
 from ._bits import as_numba, narrow, widen
-from ._dot_tile import KEYS_PER_TASK, KEYS_PER_TILE, VECTOR, plan_score_tasks, tile_dots
+from ._dot_tile import KEYS_PER_TASK, KEYS_PER_TILE, VECTOR, dots_of_rows, new_scratch, plan_score_tasks
 from ._parallel import PARALLEL_JIT, threads_for
 
 _ROWS_PER_TASK = 64  # block-key rows per compress task
@@ -205,11 +206,10 @@ def _sequence_of_rows(offsets):
 def _block_score_kernel(scores, q, keys, offsets, positions, ratio, max_blocks, scale):
     """``scores [total_q, out_cols]``; ``q [total_q, heads, D]``; ``keys [B*max_blocks, D]``.
 
-    Task = (sequence, chunk of its block keys): the chunk's keys are widened
-    once, then each group of the sequence's rows runs over them
-    (:func:`._dot_tile.tile_dots`). ``q_t[group]`` holds a row group's
-    queries widened and transposed, ``[D, lanes]`` with lane ``row*heads + h``
-    and zeros in the padding lanes.
+    Task = (sequence, chunk of its block keys): each group of the sequence's
+    rows runs over the chunk's keys, read in place (:func:`._dot_tile.dots_of_rows`).
+    ``q_t[group]`` holds a row group's queries transposed, lane ``row*heads +
+    h``, zeros in the padding lanes.
     """
     total_q, heads, dim = q.shape
     batch = offsets.shape[0] - 1
@@ -224,17 +224,13 @@ def _block_score_kernel(scores, q, keys, offsets, positions, ratio, max_blocks, 
         first_row, end_row = offsets[b], offsets[b + 1]
         g0 = (task - task_starts[b]) * KEYS_PER_TASK
         chunk = min(KEYS_PER_TASK, num_keys[b] - g0)
-        chunk_keys = np.empty((KEYS_PER_TASK, dim), np.float32)  # widened; rows past chunk zeroed below
-        source = keys[b * max_blocks + g0 : b * max_blocks + g0 + chunk]
-        for i in range(chunk):
-            for d in range(dim):
-                chunk_keys[i, d] = widen(source[i, d])
-        chunk_keys[chunk : min(KEYS_PER_TASK, chunk + KEYS_PER_TILE)] = 0.0
-        dots = np.empty((KEYS_PER_TASK, group_lanes), np.float32)
+        rows = keys[b * max_blocks + g0 : b * max_blocks + g0 + chunk]
+        scratch = new_scratch(keys, dim)
+        dots = np.empty((KEYS_PER_TASK + KEYS_PER_TILE, group_lanes), np.float32)
         for r0 in range(first_row, end_row, group_rows):
             r1 = min(r0 + group_rows, end_row)
             lanes = ((r1 - r0) * heads + VECTOR - 1) // VECTOR * VECTOR
-            tile_dots(dots, q_t[group_starts[b] + (r0 - first_row) // group_rows], chunk_keys, lanes, chunk)
+            dots_of_rows(dots, q_t[group_starts[b] + (r0 - first_row) // group_rows], rows, lanes, scratch)
             for r in range(r0, r1):
                 lane0 = (r - r0) * heads
                 score_row = scores[r]

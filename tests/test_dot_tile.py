@@ -1,0 +1,140 @@
+"""The register tile behind both score kernels: its summation order, bit for bit, on float32 and bf16 pairs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numba
+import numpy as np
+import pytest
+import torch
+
+from sparsekv.kernels.cpu._bits import as_numba
+from sparsekv.kernels.cpu._dot_tile import (KEYS_PER_TASK, KEYS_PER_TILE, VECTOR, _target_has_bf16_dot, dots_of_rows,
+                                            tile_dots)
+
+
+def _bf16_bits(x: np.ndarray) -> np.ndarray:
+    return as_numba(torch.from_numpy(x).to(torch.bfloat16))
+
+
+def _bf16_values(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def _pack_pairs(bits: np.ndarray) -> np.ndarray:
+    """``[D, lanes]`` bf16 bits -> int32 pairs ``[ceil(D/2), lanes]`` (channel 2j low), zero channel for odd D."""
+    dim, lanes = bits.shape
+    padded = np.zeros((dim + dim % 2, lanes), np.uint32)
+    padded[:dim] = bits
+    return (padded[0::2] | (padded[1::2] << 16)).astype(np.uint32).view(np.int32)
+
+
+def _bf16_case(dim: int, lanes: int, keys: int, seed: int):
+    rng = np.random.default_rng(seed)
+    q_bits = _bf16_bits(rng.standard_normal((dim, lanes)).astype(np.float32))
+    key_bits = _bf16_bits(rng.standard_normal((keys, dim)).astype(np.float32))
+    chunk = np.zeros((keys, dim + dim % 2), np.uint16)
+    chunk[:, :dim] = key_bits
+    return q_bits, key_bits, _pack_pairs(q_bits), chunk
+
+
+def _pair_order_dots(q_bits: np.ndarray, key_bits: np.ndarray) -> np.ndarray:
+    """The documented order in float32: per pair j, channel 2j+1 then 2j. A bf16 product is exact in
+    float32, so ``acc + q*k`` rounds once, as a fused multiply-add does."""
+    q = _bf16_values(q_bits)  # [D, lanes]
+    k = _bf16_values(key_bits)  # [keys, D]
+    dim = q.shape[0]
+    acc = np.zeros((k.shape[0], q.shape[1]), np.float32)
+    for j in range(0, dim, 2):
+        for d in ([j + 1, j] if j + 1 < dim else [j]):
+            acc = acc + k[:, d : d + 1] * q[d][None, :]
+    return acc
+
+
+@pytest.mark.parametrize("dim", [1, 7, 64, 128])
+@pytest.mark.parametrize("lanes", [VECTOR, 3 * VECTOR])
+def test_bf16_pairs_follow_the_documented_order_bit_for_bit(dim, lanes):
+    keys = 2 * KEYS_PER_TILE + 3
+    q_bits, key_bits, q_pairs, chunk = _bf16_case(dim, lanes, keys + KEYS_PER_TILE, seed=dim * lanes)
+    dots = np.full((keys + KEYS_PER_TILE, lanes), np.nan, np.float32)
+    tile_dots(dots, q_pairs, chunk, lanes, keys)
+    want = _pair_order_dots(q_bits, key_bits)
+    assert np.array_equal(dots[:keys].view(np.int32), want[:keys].view(np.int32))
+
+
+@pytest.mark.parametrize("dim", [5, 128])
+def test_float32_tile_runs_the_channels_in_order(dim):
+    rng = np.random.default_rng(dim)
+    lanes, keys = 2 * VECTOR, KEYS_PER_TILE + 1
+    q_t = rng.standard_normal((dim, lanes)).astype(np.float32)
+    chunk = rng.standard_normal((2 * KEYS_PER_TILE, dim)).astype(np.float32)
+    dots = np.full((2 * KEYS_PER_TILE, lanes), np.nan, np.float32)
+    tile_dots(dots, q_t, chunk, lanes, keys)
+    # fused multiply-add in channel order, emulated exactly: the float64 product of two float32 is
+    # exact, and one float64 sum of it and a float32 accumulator rounds the same as the fma would
+    # except in double-rounding ties, which a relative bound of one float32 ulp absorbs
+    acc = np.zeros((keys, lanes), np.float64)
+    for d in range(dim):
+        acc = (acc + chunk[:keys, d : d + 1].astype(np.float64) * q_t[d][None, :]).astype(np.float32).astype(np.float64)
+    np.testing.assert_allclose(dots[:keys], acc, rtol=2e-7, atol=1e-30)
+
+
+_SUBPROCESS = """
+import json, sys, numpy as np
+from sparsekv.kernels.cpu._dot_tile import _target_has_bf16_dot, tile_dots
+q_pairs = np.array(json.loads(sys.argv[1]), np.uint32).view(np.int32)
+chunk = np.array(json.loads(sys.argv[2]), np.uint16)
+dots = np.zeros((chunk.shape[0], q_pairs.shape[1]), np.float32)
+tile_dots(dots, q_pairs, chunk, q_pairs.shape[1], chunk.shape[0])
+print(json.dumps({"has": _target_has_bf16_dot(), "dots": dots.view(np.uint32).tolist()}))
+"""
+
+
+@pytest.mark.skipif(not _target_has_bf16_dot(), reason="this CPU has no VDPBF16PS: the fallback is the only path "
+                                                       "and the order test above already checks it")
+def test_fallback_without_vdpbf16ps_gives_the_instructions_bits(tmp_path):
+    features = numba.core.codegen.get_host_cpu_features().replace("+avx512bf16", "-avx512bf16")
+    env = dict(os.environ, NUMBA_CPU_FEATURES=features, NUMBA_CACHE_DIR=str(tmp_path))
+    _, key_bits, q_pairs, chunk = _bf16_case(33, VECTOR, KEYS_PER_TILE, seed=5)
+    result = subprocess.run([sys.executable, "-c", _SUBPROCESS, json.dumps(q_pairs.view(np.uint32).tolist()),
+                             json.dumps(chunk.tolist())], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    emulated = json.loads(result.stdout.strip().splitlines()[-1])
+    assert emulated["has"] is False, "the subprocess still targets VDPBF16PS"
+    dots = np.zeros((KEYS_PER_TILE, VECTOR), np.float32)
+    tile_dots(dots, q_pairs, chunk, VECTOR, KEYS_PER_TILE)
+    assert np.array_equal(np.array(emulated["dots"], np.uint32), dots.view(np.uint32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("dim", [7, 64])
+@pytest.mark.parametrize("n", [1, 8, 13, 128])
+def test_dots_of_rows_equals_the_tile_over_a_zero_padded_copy(dtype, dim, n):
+    """Rows read in place (whole tiles) plus a padded tail give the same bits as tiles over a padded copy,
+    and nothing past ``n + 7`` rows of ``dots`` is written."""
+    gen = torch.Generator().manual_seed(n * dim)
+    lanes = VECTOR
+    keys = torch.randn(n, dim, generator=gen).to(dtype)
+    q = torch.randn(dim, lanes, generator=gen).to(dtype)
+    padded_rows = -(-n // KEYS_PER_TILE) * KEYS_PER_TILE
+    if dtype == torch.bfloat16:
+        q_t = _pack_pairs(as_numba(q))
+        copy = np.zeros((padded_rows, dim + dim % 2), np.uint16)
+        copy[:n, :dim] = as_numba(keys)
+    else:
+        q_t = q.float().numpy()
+        copy = np.zeros((padded_rows, dim), np.float32)
+        copy[:n] = keys.float().numpy()
+    want = np.zeros((padded_rows, lanes), np.float32)
+    tile_dots(want, q_t, copy, lanes, n)
+    dots = np.full((KEYS_PER_TASK + KEYS_PER_TILE, lanes), np.nan, np.float32)
+    scratch = np.full((KEYS_PER_TASK + KEYS_PER_TILE, copy.shape[1]), 0x7FC0 if copy.dtype == np.uint16 else np.nan,
+                      copy.dtype)  # what new_scratch gives inside a kernel, poisoned but for an odd D's zero channel
+    scratch[:, dim:] = 0
+    dots_of_rows(dots, q_t, as_numba(keys), lanes, scratch)
+    assert np.array_equal(dots[:n].view(np.int32), want[:n].view(np.int32))
+    assert np.isnan(dots[padded_rows:]).all(), "wrote past the last tile"
