@@ -27,22 +27,60 @@ from __future__ import annotations
 import numba
 import numpy as np
 import torch
+from llvmlite import ir
 from numba import types
-from numba.extending import overload
+from numba.extending import intrinsic, overload
+
+
+@intrinsic
+def _bf16_bits_to_f32(typingctx, bits):
+    """Low 16 bits of an integer, as bf16 -> float32: shifted into the high half of a 32-bit word."""
+    if not isinstance(bits, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        low = builder.trunc(args[0], ir.IntType(16)) if bits.bitwidth > 16 else args[0]
+        word = builder.shl(builder.zext(low, i32), ir.Constant(i32, 16))
+        return builder.bitcast(word, ir.FloatType())
+
+    return types.float32(bits), codegen
+
+
+@intrinsic
+def _f32_to_bf16_bits(typingctx, value):
+    """float32 -> bf16 bits (``uint16``), to nearest even, NaN -> ``0x7FC0``, in 32-bit integer ops.
+
+    ``bits + 0x7FFF + lsb`` cannot wrap for a non-NaN float (the largest is
+    ``0xFF7FFFFF``), and NaNs are replaced afterwards, so 32 bits suffice and
+    the conversion vectorises 16 lanes wide (numba's own integer typing would
+    widen the arithmetic to 64 bits).
+    """
+    if value != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        bits = builder.bitcast(args[0], i32)
+        lsb = builder.and_(builder.lshr(bits, ir.Constant(i32, 16)), ir.Constant(i32, 1))
+        rounded = builder.lshr(builder.add(builder.add(bits, ir.Constant(i32, 0x7FFF)), lsb), ir.Constant(i32, 16))
+        is_nan = builder.fcmp_unordered("uno", args[0], args[0])
+        result = builder.select(is_nan, ir.Constant(i32, 0x7FC0), rounded)
+        return builder.trunc(result, ir.IntType(16))
+
+    return types.uint16(types.float32), codegen
 
 
 @numba.njit(cache=True)
 def bf16_to_f32(bits):
     """bf16 bit pattern (any integer type) -> its float32 value: the pattern shifted into the high half."""
-    return np.uint32(np.int64(np.uint16(bits)) << 16).view(np.float32)
+    return _bf16_bits_to_f32(bits)
 
 
 @numba.njit(cache=True)
 def f32_to_bf16(value):
     """float32 -> bf16 bit pattern (``uint16``), rounded to nearest even; NaN -> ``0x7FC0``."""
-    bits = np.int64(np.float32(value).view(np.uint32))
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-    return np.uint16(0x7FC0 if (bits & 0x7FFFFFFF) > 0x7F800000 else rounded)  # NaN as torch writes it
+    return _f32_to_bf16_bits(np.float32(value))
 
 
 @numba.njit(cache=True)

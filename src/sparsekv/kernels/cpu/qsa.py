@@ -51,7 +51,7 @@ from ._dot_tile import KEYS_PER_TASK, KEYS_PER_TILE, VECTOR, dots_of_rows, new_s
 from ._parallel import PARALLEL_JIT, threads_for
 
 _ROWS_PER_TASK = 64  # block-key rows per compress task
-_ROWS_PER_GROUP = 8  # block keys whose RMSNorm sums run interleaved
+_ROWS_PER_GROUP = 8  # block keys whose RMSNorm sums run interleaved (_sums_of_squares has 8 chains)
 _TOKENS_PER_CHUNK = 64  # selected tokens whose keys sparse attention transposes at once
 
 
@@ -92,6 +92,30 @@ def _page_problem(lookup_table: torch.Tensor, num_pages: int, page_size: int, b:
     return "its page is unassigned (sentinel)" if page < 0 else f"its page {page} is outside [0, {num_pages})"
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _sums_of_squares(acc, group, squares):
+    """``squares[k] = sum_d acc[k, d]**2`` in channel order for ``k < group <= 8`` (``acc [8, D]``).
+
+    The eight sums run as eight scalars, so that they stay in registers and
+    their dependent adds overlap (in a loop over ``k`` they go through memory).
+    """
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
+    r0, r1, r2, r3 = acc[0], acc[min(1, group - 1)], acc[min(2, group - 1)], acc[min(3, group - 1)]
+    r4, r5, r6, r7 = acc[min(4, group - 1)], acc[min(5, group - 1)], acc[min(6, group - 1)], acc[min(7, group - 1)]
+    for d in range(acc.shape[1]):
+        s0 += r0[d] * r0[d]
+        s1 += r1[d] * r1[d]
+        s2 += r2[d] * r2[d]
+        s3 += r3[d] * r3[d]
+        s4 += r4[d] * r4[d]
+        s5 += r5[d] * r5[d]
+        s6 += r6[d] * r6[d]
+        s7 += r7[d] * r7[d]
+    sums = (s0, s1, s2, s3, s4, s5, s6, s7)
+    for k in range(group):
+        squares[k] = sums[k]
+
+
 @numba.njit(**PARALLEL_JIT)
 def _compress_kernel(out, keys, page_stride, base, page_size, table, num_blocks, gamma, freqs, ratio, eps):
     """``out [B*max_blocks, D]``; ``keys`` the flat cache (see ``_flat_plane``, one head);
@@ -101,11 +125,17 @@ def _compress_kernel(out, keys, page_stride, base, page_size, table, num_blocks,
     half = freqs.shape[1]
     # cos/sin of every block start, rounded to the keys' dtype once: every sequence reads this
     # small table in order, instead of every ratio-th row of the whole freqs_cis table
-    rotations = np.empty((min(max_blocks, np.max(num_blocks)), half, 2), np.float32)
+    # (cos and sin apart, so that the rotation loop reads both contiguously)
+    rotations = np.empty((min(max_blocks, np.max(num_blocks)), 2, half), np.float32)
     for j in prange(rotations.shape[0]):
         for i in range(half):
-            rotations[j, i, 0] = widen(narrow(freqs[j * ratio, i, 0], out))
-            rotations[j, i, 1] = widen(narrow(freqs[j * ratio, i, 1], out))
+            rotations[j, 0, i] = widen(narrow(freqs[j * ratio, i, 0], out))
+            rotations[j, 1, i] = widen(narrow(freqs[j * ratio, i, 1], out))
+    scales = np.empty(dim, np.float32)
+    for d in range(dim):
+        scales[d] = np.float32(1.0) + gamma[d]
+    # x / R == x * (1/R) exactly when R is a power of two (both round the same exact value)
+    inverse_ratio = np.float32(1.0) / np.float32(ratio) if ratio & (ratio - 1) == 0 else np.float32(0.0)
     tasks = (rows + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK
     for task in prange(tasks):
         acc = np.empty((_ROWS_PER_GROUP, dim), np.float32)
@@ -120,9 +150,13 @@ def _compress_kernel(out, keys, page_stride, base, page_size, table, num_blocks,
                 if j >= num_blocks[b]:
                     block[:] = 0.0
                     continue
+                column = j * ratio // page_size  # one division per block; its tokens follow on
+                slot = j * ratio - column * page_size
                 for i in range(ratio):
-                    token = j * ratio + i
-                    start = table[b, token // page_size] * page_stride + base + (token % page_size) * dim
+                    if slot == page_size:
+                        column, slot = column + 1, 0
+                    start = table[b, column] * page_stride + base + slot * dim
+                    slot += 1
                     raw = keys[start : start + dim]  # a slice: indices from range() vectorise, offsets do not
                     if i == 0:
                         for d in range(dim):
@@ -130,14 +164,15 @@ def _compress_kernel(out, keys, page_stride, base, page_size, table, num_blocks,
                     else:
                         for d in range(dim):
                             block[d] = block[d] + widen(raw[d])
-                for d in range(dim):
-                    block[d] = widen(narrow(block[d] / np.float32(ratio), out))
+                if inverse_ratio != 0.0:
+                    for d in range(dim):
+                        block[d] = widen(narrow(block[d] * inverse_ratio, out))
+                else:
+                    for d in range(dim):
+                        block[d] = widen(narrow(block[d] / np.float32(ratio), out))
             # 2. sums of squares in channel order; the group's blocks are independent
             #    chains, interleaved so that the adds do not wait on one another
-            squares[:] = 0.0
-            for d in range(dim):
-                for k in range(group):
-                    squares[k] += acc[k, d] * acc[k, d]
+            _sums_of_squares(acc, group, squares)
             for k in range(group):  # 3. RMSNorm, RoPE, store
                 row = group_start + k
                 b, j = row // max_blocks, row % max_blocks
@@ -148,11 +183,11 @@ def _compress_kernel(out, keys, page_stride, base, page_size, table, num_blocks,
                     continue
                 inv_rms = np.float32(1.0) / np.sqrt(squares[k] / np.float32(dim) + np.float32(eps))
                 for d in range(dim):
-                    block[d] = widen(narrow(block[d] * inv_rms * (np.float32(1.0) + gamma[d]), out))
-                pairs = rotations[j]  # [half, 2]: (cos, sin) of each frequency, rounded
+                    block[d] = widen(narrow(block[d] * inv_rms * scales[d], out))
+                cosines, sines = rotations[j, 0], rotations[j, 1]  # [half] each, rounded
                 low, high = block[:half], block[half : 2 * half]  # slices, again for vectorisation
                 for i in range(half):
-                    cos, sin = pairs[i, 0], pairs[i, 1]
+                    cos, sin = cosines[i], sines[i]
                     x, y = low[i], high[i]
                     low[i] = x * cos - y * sin
                     high[i] = y * cos + x * sin
