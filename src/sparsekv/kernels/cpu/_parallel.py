@@ -47,7 +47,7 @@ def _launch_sleeping_workers() -> None:
 
 _launch_sleeping_workers()
 
-PARALLEL_JIT = {"parallel": True, "cache": True, "fastmath": False, "nogil": True}
+PARALLEL_JIT = {"parallel": True, "cache": True, "fastmath": False, "nogil": True, "error_model": "numpy"}
 """Options of a ``prange`` kernel whose sums keep their written order (no reordering, no fused multiply-adds)."""
 
 PARALLEL_MIN_WORK = 1 << 22
