@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from sparsekv.kernels.cpu._bits import as_numba
-from sparsekv.kernels.cpu._dot_tile import (KEYS_PER_TASK, KEYS_PER_TILE, VECTOR, _target_has_bf16_dot, dots_of_rows,
-                                            tile_dots)
+from sparsekv.kernels.cpu._dot_tile import (KEYS_PER_TASK, KEYS_PER_TILE, VECTOR, WEIGHTED_CHANNELS, WEIGHTED_HEADS,
+                                            _target_has_bf16_dot, dots_of_rows, tile_dots, weighted_rows)
 
 
 def _bf16_bits(x: np.ndarray) -> np.ndarray:
@@ -138,3 +138,19 @@ def test_dots_of_rows_equals_the_tile_over_a_zero_padded_copy(dtype, dim, n):
     dots_of_rows(dots, q_t, as_numba(keys), lanes, scratch)
     assert np.array_equal(dots[:n].view(np.int32), want[:n].view(np.int32))
     assert np.isnan(dots[padded_rows:]).all(), "wrote past the last tile"
+
+
+@pytest.mark.parametrize("heads, rows", [(3, 0), (8, 1), (12, 37)])
+def test_weighted_rows_sums_the_rows_in_order_per_head(heads, rows):
+    rng = np.random.default_rng(heads * 100 + rows)
+    head_rows, channels = -(-heads // WEIGHTED_HEADS) * WEIGHTED_HEADS, 2 * WEIGHTED_CHANNELS
+    acc = rng.standard_normal((head_rows + 2, channels)).astype(np.float32)
+    weights = rng.random((rows + 1, head_rows)).astype(np.float32)
+    values = rng.standard_normal((rows + 1, channels)).astype(np.float32)
+    want = acc.astype(np.float64)
+    for n in range(rows):  # one rounding per row, as the fused multiply-add chain does (see the tile test)
+        want[:head_rows] = (want[:head_rows] + weights[n, :, None].astype(np.float64) * values[n]).astype(np.float32)
+    before = acc.copy()
+    weighted_rows(acc, weights, values, heads, rows)
+    np.testing.assert_allclose(acc[:head_rows], want[:head_rows], rtol=2e-7, atol=1e-30)
+    assert np.array_equal(acc[head_rows:], before[head_rows:]), "touched rows past the heads' tiles"

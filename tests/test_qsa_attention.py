@@ -104,14 +104,15 @@ def test_whole_step_equals_attention_over_brute_force_top_k():
 
 def random_attention_case(rng, dtype):
     batch = rng.randrange(1, 6)
-    kv_heads, group = rng.choice([1, 2]), rng.choice([1, 3])
-    dim = rng.choice([8, 24])
+    # groups past one 16-lane query tile and odd widths (bf16 channel pairs) included
+    kv_heads, group = rng.choice([1, 2]), rng.choice([1, 3, 12, 17])
+    dim = rng.choice([8, 24, 37])
     rows = [rng.randrange(0, 4) for _ in range(batch)]
-    cache_lengths = [rng.randrange(0, 30) for _ in range(batch)]
+    cache_lengths = [rng.randrange(0, rng.choice([30, 300])) for _ in range(batch)]
     lengths = [c + n for c, n in zip(cache_lengths, rows)]
     _, _, blocks, table = main_cache(rng, lengths, kv_heads, dim, dtype, page_size=rng.choice([4, 16]))
     offsets = torch.tensor([0] + rows).cumsum(0).to(torch.int32)
-    total_q, width = sum(rows), rng.choice([1, 7, 40])
+    total_q, width = sum(rows), rng.choice([1, 7, 40, 200])  # 200: more than one 128-token chunk
     indices = torch.full((total_q, width), 10**6, dtype=torch.int32)  # garbage past the counts: never read
     counts = torch.zeros(total_q, dtype=torch.int32)
     seq_of_row = torch.repeat_interleave(torch.arange(batch), torch.tensor(rows))

@@ -213,6 +213,97 @@ def _make_tile(lane_vectors: int):
 
 _tile_16_lanes, _tile_32_lanes = _make_tile(1), _make_tile(2)
 
+WEIGHTED_HEADS = 8
+WEIGHTED_CHANNELS = 2 * VECTOR
+
+
+@intrinsic
+def _weighted_rows_tile(typingctx, acc, weights, rows, head0, chan0, num_rows):
+    """``acc[head0 + k, chan0 : chan0 + 32] += sum_n weights[n, head0 + k] * rows[n, chan0 : chan0 + 32]``
+    for ``k < 8``, one fused multiply-add per row ``n = 0, 1, ...`` in order, the 16 accumulators
+    in registers. All float32 2-d C arrays; the caller keeps every index in bounds."""
+    for array in (acc, weights, rows):
+        if not _is_c_matrix(array, types.float32):
+            return None
+    signature = types.void(acc, weights, rows, types.intp, types.intp, types.intp)
+
+    def codegen(context, builder, sig, args):
+        acc_arr, weights_arr, rows_arr = (context.make_array(t)(context, builder, a)
+                                          for t, a in zip(sig.args[:3], args[:3]))
+        head0, chan0, num_rows = args[3], args[4], args[5]
+        index = ir.IntType(64)
+        vector = ir.VectorType(ir.FloatType(), VECTOR)
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vector, [vector] * 3), "llvm.fma.v16f32")
+        acc_cols = builder.extract_value(acc_arr.shape, 1)
+        weight_cols = builder.extract_value(weights_arr.shape, 1)
+        row_cols = builder.extract_value(rows_arr.shape, 1)
+
+        def constant(value):
+            return ir.Constant(index, value)
+
+        def vector_at(data, offset):
+            return builder.bitcast(builder.gep(data, [offset]), vector.as_pointer())
+
+        acc_starts = [builder.add(builder.mul(builder.add(head0, constant(k)), acc_cols), chan0)
+                      for k in range(WEIGHTED_HEADS)]
+        initial = [[builder.load(vector_at(acc_arr.data, builder.add(acc_starts[k], constant(v * VECTOR))), align=4)
+                    for v in range(2)] for k in range(WEIGHTED_HEADS)]
+        entry = builder.block
+        loop = builder.append_basic_block("weighted_rows")
+        done = builder.append_basic_block("weighted_done")
+        builder.cbranch(builder.icmp_signed(">", num_rows, constant(0)), loop, done)
+        builder.position_at_end(loop)
+        n = builder.phi(index)
+        n.add_incoming(constant(0), entry)
+        accumulators = [[builder.phi(vector) for _ in range(2)] for _ in range(WEIGHTED_HEADS)]
+        for k in range(WEIGHTED_HEADS):
+            for v in range(2):
+                accumulators[k][v].add_incoming(initial[k][v], entry)
+        row_start = builder.add(builder.mul(n, row_cols), chan0)
+        values = [builder.load(vector_at(rows_arr.data, builder.add(row_start, constant(v * VECTOR))), align=4)
+                  for v in range(2)]
+        weight_start = builder.add(builder.mul(n, weight_cols), head0)
+        splat_mask = ir.Constant(ir.VectorType(ir.IntType(32), VECTOR), [0] * VECTOR)
+        updated = []
+        for k in range(WEIGHTED_HEADS):
+            weight = builder.load(builder.gep(weights_arr.data, [builder.add(weight_start, constant(k))]))
+            spread = builder.insert_element(ir.Constant(vector, ir.Undefined), weight, ir.Constant(ir.IntType(32), 0))
+            spread = builder.shuffle_vector(spread, ir.Constant(vector, ir.Undefined), splat_mask)
+            updated.append([builder.call(fma, [spread, values[v], accumulators[k][v]]) for v in range(2)])
+        next_n = builder.add(n, constant(1))
+        body_end = builder.block
+        n.add_incoming(next_n, body_end)
+        for k in range(WEIGHTED_HEADS):
+            for v in range(2):
+                accumulators[k][v].add_incoming(updated[k][v], body_end)
+        builder.cbranch(builder.icmp_signed("<", next_n, num_rows), loop, done)
+        builder.position_at_end(done)
+        finals = [[builder.phi(vector) for _ in range(2)] for _ in range(WEIGHTED_HEADS)]  # phis first
+        for k in range(WEIGHTED_HEADS):
+            for v in range(2):
+                finals[k][v].add_incoming(initial[k][v], entry)
+                finals[k][v].add_incoming(updated[k][v], body_end)
+        for k in range(WEIGHTED_HEADS):
+            for v in range(2):
+                builder.store(finals[k][v], vector_at(acc_arr.data, builder.add(acc_starts[k], constant(v * VECTOR))),
+                              align=4)
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
+@numba.njit(cache=True, nogil=True)
+def weighted_rows(acc, weights, rows, heads, num_rows):
+    """``acc[h, :] += sum_n weights[n, h] * rows[n, :]`` for ``h < heads`` (rounded up to 8), ``n < num_rows``:
+    per (head, channel) one fused multiply-add per row, rows in order.
+
+    ``acc [>= heads rounded up to 8, C]``, ``weights [>= num_rows, >= heads rounded up]``,
+    ``rows [>= num_rows, C]``; float32, C-contiguous, ``C`` a multiple of ``WEIGHTED_CHANNELS`` (32).
+    """
+    for head0 in range(0, heads, WEIGHTED_HEADS):
+        for chan0 in range(0, acc.shape[1], WEIGHTED_CHANNELS):
+            _weighted_rows_tile(acc, weights, rows, head0, chan0, num_rows)
+
 
 @numba.njit(cache=True, nogil=True)
 def tile_dots(dots, q_t, keys, lanes, num_keys):
@@ -307,26 +398,48 @@ def dots_of_rows(dots, q_t, rows, lanes, scratch):
         tile_dots(dots[full:], q_t, tail, lanes, n - full)
 
 
-def _new_query_tiles(q, groups, lanes):
+def put_key_row(scratch, i, key):
+    """``scratch[i, :len(key)] = key`` in the tile's layout (numba only): bf16 bits copied (``scratch`` from
+    :func:`new_scratch`, so an odd ``D``'s zero channel stays), other floats widened to float32."""
+    raise NotImplementedError
+
+
+@overload(put_key_row, inline="always")
+def _put_key_row_overload(scratch, i, key):
+    if scratch.dtype == types.uint16:
+        def copy_bits(scratch, i, key):
+            row = scratch[i]
+            for d in range(key.shape[0]):
+                row[d] = key[d]
+        return copy_bits
+
+    def widen_row(scratch, i, key):
+        row = scratch[i]
+        for d in range(key.shape[0]):
+            row[d] = widen(key[d])
+    return widen_row
+
+
+def new_query_tiles(q, groups, lanes):
     """Zeroed query tiles for ``groups`` row groups (numba only): int32 pairs ``[groups, P, lanes]`` for
     bf16 (``uint16``) queries, else float32 ``[groups, D, lanes]``."""
     raise NotImplementedError
 
 
-@overload(_new_query_tiles, inline="always")
-def _new_query_tiles_overload(q, groups, lanes):
+@overload(new_query_tiles, inline="always")
+def new_query_tiles_overload(q, groups, lanes):
     if q.dtype == types.uint16:
         return lambda q, groups, lanes: np.zeros((groups, (q.shape[2] + 1) // 2, lanes), np.int32)
     return lambda q, groups, lanes: np.zeros((groups, q.shape[2], lanes), np.float32)
 
 
-def _put_query(tile, lane, q_row):
+def put_query(tile, lane, q_row):
     """Column ``lane`` of one group's query tile = ``q_row`` in the tile's layout (numba only)."""
     raise NotImplementedError
 
 
-@overload(_put_query, inline="always")
-def _put_query_overload(tile, lane, q_row):
+@overload(put_query, inline="always")
+def put_query_overload(tile, lane, q_row):
     if tile.dtype == types.int32:
         def pack_pairs(tile, lane, q_row):
             for d in range(q_row.shape[0]):
@@ -373,13 +486,13 @@ def plan_score_tasks(scores, q, offsets, visible):
             num_keys[b] = max(num_keys[b], visible[r])
         task_starts[b + 1] = task_starts[b] + (num_keys[b] + KEYS_PER_TASK - 1) // KEYS_PER_TASK
         group_starts[b + 1] = group_starts[b] + (offsets[b + 1] - offsets[b] + group_rows - 1) // group_rows
-    q_t = _new_query_tiles(q, group_starts[batch], group_lanes)
+    q_t = new_query_tiles(q, group_starts[batch], group_lanes)
     for r in range(total_q):
         b = np.searchsorted(offsets, r, side="right") - 1
         local = r - offsets[b]
         block = q_t[group_starts[b] + local // group_rows]
         for h in range(heads):
-            _put_query(block, local % group_rows * heads + h, q[r, h])
+            put_query(block, local % group_rows * heads + h, q[r, h])
         score_row = scores[r]
         for k in range(visible[r], scores.shape[1]):
             score_row[k] = -np.inf

@@ -19,7 +19,7 @@ What each kernel is made of, and why (measured with ``benchmarks/bench_kpool.py`
   :mod:`._bits`), exactly as torch casts. bf16 members are widened there too
   (a 16-bit shift); fp16 members are widened by torch first, which is several
   times faster than numba's integer path for fp16.
-* ``exp``: float32, fused multiply-adds (:func:`_exp_f32`: Cody-Waite
+* ``exp``: float32, fused multiply-adds (:func:`._math.exp_f32`: Cody-Waite
   reduction, a degree-7 polynomial fitted for relative error, ``2**n`` from
   its bits), at most one ulp from the correctly rounded value, 16 lanes per
   AVX-512 vector. The reference's float64 exp, vectorised the same way, made
@@ -41,88 +41,23 @@ What each kernel is made of, and why (measured with ``benchmarks/bench_kpool.py`
 
 from __future__ import annotations
 
-import math
-
 import numba
 import numpy as np
 import torch
-from llvmlite import ir
 from numba import types
-from numba.core import cgutils
-from numba.extending import intrinsic, overload
+from numba.extending import overload
 
 from ...cache.layout import resolve_pages
 from ..reference.kpool import mla_kpool_seed_tail as mla_kpool_seed_tail  # scatter of whole rows: memory-bound
 from ._bits import as_numba, narrow, widen
 from ._dot_tile import KEYS_PER_TASK, KEYS_PER_TILE, VECTOR, dots_of_rows, new_scratch, plan_score_tasks
+from ._math import exp_f32
 from ._parallel import numba_threads, threads_for
 from .qsa import _first_missing_page  # the same page check: tokens there, pools here
 
 _MODE_SOFTMAX, _MODE_MEAN = 0, 1
 _POOLS_PER_TASK = 64  # pools per prange task: enough work to amortise scheduling, small scratch
 _POOLS_PER_THREAD = 1024  # below this many pools per thread a parallel region costs more than it saves
-
-# exp(x) = 2**n * exp(r), x = n*ln2 + r, |r| <= ln2/2; _LN2_HI has 9 significant bits, so
-# n*_LN2_HI is exact for every n used here. _EXP_POLY: (exp(r) - 1 - r) / r**2 ~ sum c_i r**i, a
-# relative-error least-squares fit on Chebyshev nodes (error 1.1e-9, far below float32's 6e-8).
-_LOG2_E = np.float32(1.4426950408889634)
-_LN2_HI = np.float32(0.693359375)
-_LN2_LO = np.float32(-2.12194440e-4)
-_EXP_FLOOR = np.float32(-87.0)  # below this exp(x) < 1.7e-38: the kernel returns 0 (a normal 2**n needs n >= -126)
-_EXP_POLY = tuple(np.float32(c) for c in (0.5, 0.1666666567325592, 0.041666269302368164, 0.00833342969417572,
-                                          0.0013946021208539605, 0.00019826495554298162))
-
-
-@intrinsic
-def _bits_to_f32(typingctx, bits):
-    """The float32 whose bits are the low 32 bits of the integer ``bits`` (a register move)."""
-    if not isinstance(bits, types.Integer):
-        return None
-
-    def codegen(context, builder, signature, args):
-        low = builder.trunc(args[0], ir.IntType(32)) if bits.bitwidth > 32 else args[0]
-        return builder.bitcast(low, ir.FloatType())
-
-    return types.float32(bits), codegen
-
-
-@intrinsic
-def _fma_f32(typingctx, a, b, c):
-    """``a*b + c`` with one rounding (``llvm.fma``, which LLVM vectorises)."""
-    if not (a == b == c == types.float32):
-        return None
-
-    def codegen(context, builder, signature, args):
-        f32 = ir.FloatType()
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32] * 3), "llvm.fma.f32")
-        return builder.call(fma, args)
-
-    return types.float32(types.float32, types.float32, types.float32), codegen
-
-
-@numba.njit(inline="always", cache=True, error_model="numpy")
-def _exp_f32(x: np.float32) -> np.float32:
-    """``exp(x)`` for float32 ``x <= 0``, in float32: within 1 ulp, branch-free, vectorisable.
-
-    Cody-Waite reduction with fused multiply-adds, the degree-7 polynomial
-    ``1 + r + r**2 * P(r)`` in Horner form, scaled by ``2**n`` built from its
-    bits. 0 below ``_EXP_FLOOR``; NaN stays NaN; ``exp(0)`` is exactly 1.
-    """
-    clamped = _EXP_FLOOR if x < _EXP_FLOOR else x
-    n = np.floor(clamped * _LOG2_E + np.float32(0.5))
-    r = _fma_f32(-n, _LN2_HI, clamped)
-    r = _fma_f32(-n, _LN2_LO, r)
-    c = _EXP_POLY
-    p = _fma_f32(c[5], r, c[4])
-    p = _fma_f32(p, r, c[3])
-    p = _fma_f32(p, r, c[2])
-    p = _fma_f32(p, r, c[1])
-    p = _fma_f32(p, r, c[0])
-    p = _fma_f32(p, r * r, r) + np.float32(1.0)
-    scale = _bits_to_f32((np.int32(n) + 127) << 23)  # 2**n, n >= -126: a normal float32
-    y = p * scale
-    return np.float32(0.0) if x < _EXP_FLOOR else y
-
 
 @numba.njit(inline="always", cache=True, error_model="numpy")
 def _pool_one(kf, gf, ape, mode, logits, exps, denom, out):
@@ -149,7 +84,7 @@ def _pool_one(kf, gf, ape, mode, logits, exps, denom, out):
             denom[d] = v if v > denom[d] else denom[d]
     for m in range(kpool):
         for d in range(dim):
-            exps[m, d] = _exp_f32(logits[m, d] - denom[d])
+            exps[m, d] = exp_f32(logits[m, d] - denom[d])
     for d in range(dim):
         denom[d] = exps[0, d]
     for m in range(1, kpool):
@@ -199,10 +134,10 @@ def _softmax_pool_of_four(out, i, k, gate, ape, start):
         peak = logit1 if logit1 > logit0 else logit0
         peak = logit2 if logit2 > peak else peak
         peak = logit3 if logit3 > peak else peak
-        e0 = _exp_f32(logit0 - peak)
-        e1 = _exp_f32(logit1 - peak)
-        e2 = _exp_f32(logit2 - peak)
-        e3 = _exp_f32(logit3 - peak)
+        e0 = exp_f32(logit0 - peak)
+        e1 = exp_f32(logit1 - peak)
+        e2 = exp_f32(logit2 - peak)
+        e3 = exp_f32(logit3 - peak)
         total = ((e0 + e1) + e2) + e3
         acc = (e0 / total) * widen(k[start, d])
         acc = acc + (e1 / total) * widen(k[start + 1, d])
