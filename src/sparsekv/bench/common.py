@@ -79,6 +79,38 @@ def time_call(fn: Callable[[], object], *, device: torch.device | str | None = N
     return statistics.median(samples)
 
 
+def time_interleaved(calls: dict[str, Callable[[], object]], *, rounds: int = 9,
+                     device: torch.device | str | None = None, round_ms: float = 2.0) -> dict[str, float]:
+    """Median per-call time (ms) of every call, measured in interleaved rounds.
+
+    Each round times every call in turn, a call under ``round_ms`` several
+    times back to back (their mean is that round's sample). A machine that
+    slows down or speeds up during the run then shifts every column alike,
+    so the ratios between ours and the peers stay fair; timing one call's
+    repeats before the next call's would put the drift into the ratio.
+    """
+    device = torch.device(device) if device is not None else None
+    repeats = {}
+    for name, fn in calls.items():  # warm-up; its time picks the repeats per round
+        fn()
+        _sync(device)
+        started = time.perf_counter()
+        fn()
+        _sync(device)
+        elapsed_ms = (time.perf_counter() - started) * 1e3
+        repeats[name] = max(1, min(100, int(round_ms / max(elapsed_ms, 1e-3))))
+    samples: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, fn in calls.items():
+            _sync(device)
+            started = time.perf_counter()
+            for _ in range(repeats[name]):
+                fn()
+            _sync(device)
+            samples[name].append((time.perf_counter() - started) * 1e3 / repeats[name])
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
 def copy_peer(nbytes: int, device: torch.device | str = "cpu") -> Callable[[], object]:
     """A same-run peer: ``dst.copy_(src)`` of ``nbytes`` bytes (reads and writes them once).
 

@@ -20,7 +20,7 @@ import torch
 from ..cache.pooled import make_pooled_collection
 from ..kernels.reference import kpool as reference
 from ..ops.kpool import kpool_pool_row_offsets, mla_kpool_compress, mla_kpool_score
-from .common import BenchRow, copy_peer, time_call
+from .common import BenchRow, copy_peer, time_interleaved
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 HEAD_DIM, KPOOL, INDEX_HEADS, TOPK, PAGE_SIZE = 128, 4, 32, 2048, 64
@@ -37,7 +37,7 @@ def _agreement(ours: torch.Tensor, reference: torch.Tensor) -> str:
     return f"max error {float(err):.1e} of max |value|"
 
 
-def _compress_row(batch: int, tokens: int, dtype: torch.dtype, repeat: int) -> BenchRow:
+def _compress_row(batch: int, tokens: int, dtype: torch.dtype, rounds: int) -> BenchRow:
     gen = torch.Generator().manual_seed(0)
     total = batch * tokens
     k = torch.randn(total, HEAD_DIM, generator=gen).to(dtype)
@@ -49,18 +49,18 @@ def _compress_row(batch: int, tokens: int, dtype: torch.dtype, repeat: int) -> B
     out = torch.empty(int(pool_offsets[-1]), HEAD_DIM, dtype=dtype)
     ref_out = torch.empty_like(out)
     nbytes = 2 * k.numel() * k.element_size() + out.numel() * out.element_size()
-    ours = time_call(lambda: mla_kpool_compress(k, gate, ape, offsets, pool_offsets, cache, kpool=KPOOL, out=out),
-                     repeat=repeat)
-    ref = time_call(lambda: reference.mla_kpool_compress(ref_out, k, gate, ape, offsets, pool_offsets, cache, KPOOL,
-                                                         "softmax"), warmup=1, repeat=max(1, repeat // 3))
-    copy = time_call(copy_peer(nbytes), repeat=repeat)
+    times = time_interleaved({
+        "ours": lambda: mla_kpool_compress(k, gate, ape, offsets, pool_offsets, cache, kpool=KPOOL, out=out),
+        "reference": lambda: reference.mla_kpool_compress(ref_out, k, gate, ape, offsets, pool_offsets, cache, KPOOL,
+                                                          "softmax"),
+        "copy": copy_peer(nbytes)}, rounds=rounds)
     agreement = _agreement(out, ref_out)
+    ours = times.pop("ours")
     return BenchRow("mla_kpool_compress", f"B={batch} T={tokens} D={HEAD_DIM} kpool={KPOOL}", _DTYPE_NAMES[dtype],
-                    "cpu", ours, nbytes, {"reference": ref, "copy": copy},
-                    note=f"vs reference: {agreement}")
+                    "cpu", ours, nbytes, times, note=f"vs reference: {agreement}")
 
 
-def _score_row(batch: int, tokens: int, dtype: torch.dtype, repeat: int) -> BenchRow:
+def _score_row(batch: int, tokens: int, dtype: torch.dtype, rounds: int) -> BenchRow:
     gen = torch.Generator().manual_seed(1)
     pools = tokens // KPOOL
     per_page = PAGE_SIZE // KPOOL
@@ -77,15 +77,15 @@ def _score_row(batch: int, tokens: int, dtype: torch.dtype, repeat: int) -> Benc
     ref_out = torch.empty_like(out)
     elt = blocks.element_size()
     nbytes = batch * pools * HEAD_DIM * elt + q.numel() * elt + weights.numel() * 4 + out.numel() * 4
-    ours = time_call(lambda: mla_kpool_score(q, weights, cache, 0, positions, offsets, kpool=KPOOL, out=out),
-                     repeat=repeat)
-    ref = time_call(lambda: reference.mla_kpool_score(ref_out, q, weights, blocks, cache.lookup_table, positions,
-                                                      offsets, KPOOL, 0), warmup=1, repeat=max(1, repeat // 3))
-    copy = time_call(copy_peer(nbytes), repeat=repeat)
+    times = time_interleaved({
+        "ours": lambda: mla_kpool_score(q, weights, cache, 0, positions, offsets, kpool=KPOOL, out=out),
+        "reference": lambda: reference.mla_kpool_score(ref_out, q, weights, blocks, cache.lookup_table, positions,
+                                                       offsets, KPOOL, 0),
+        "copy": copy_peer(nbytes)}, rounds=rounds)
+    ours = times.pop("ours")
     err = float(((out - ref_out).abs().max() / ref_out.abs().max().clamp_min(1e-30)))
     return BenchRow("mla_kpool_score", f"B={batch} decode t={tokens - 1} H={INDEX_HEADS} D={HEAD_DIM}",
-                    _DTYPE_NAMES[dtype], "cpu", ours, nbytes, {"reference": ref, "copy": copy},
-                    note=f"max rel err vs reference {err:.1e}")
+                    _DTYPE_NAMES[dtype], "cpu", ours, nbytes, times, note=f"max rel err vs reference {err:.1e}")
 
 
 def run(quick: bool = False) -> list[BenchRow]:
@@ -93,10 +93,10 @@ def run(quick: bool = False) -> list[BenchRow]:
     batch = 4
     lengths = [1024] if quick else [8192, 32768]
     dtypes = [torch.bfloat16] if quick else [torch.bfloat16, torch.float32]
-    repeat = 3 if quick else 9
+    rounds = 3 if quick else 9
     rows: list[BenchRow] = []
     for op in (_compress_row, _score_row):
         for dtype in dtypes:
             for tokens in lengths:
-                rows.append(op(batch, tokens, dtype, repeat))
+                rows.append(op(batch, tokens, dtype, rounds))
     return rows

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from ..cache.layout import SENTINEL, PagedKVCacheCollection
 from ..numerics import rope_freqs_cis
 from ..ops.qsa import qsa_block_score, qsa_compress_keys_paged, qsa_select_tokens, qsa_sparse_attention_paged
-from .common import BenchRow, copy_peer, time_call
+from .common import BenchRow, copy_peer, time_interleaved
 
 HEAD_DIM, RATIO, ROTARY_DIM, PAGE_SIZE, THETA, EPS = 128, 4, 64, 128, 1e7, 1e-6
 INDEX_HEADS, ROWS_PER_SEQUENCE, BUDGET = 4, 4, 2048
@@ -63,11 +63,16 @@ def _paged(batch: int, tokens: int, planes: int, heads: int, dim: int, dtype: to
     return blocks, table
 
 
-def _time_pair(ours, reference, *, slow_repeat: int = 3) -> tuple[float, float]:
-    mine = time_call(ours, repeat=10, min_seconds=0.3)
-    with backend("reference"):
-        ref = time_call(reference, warmup=1, repeat=slow_repeat)
-    return mine, ref
+def _time_with_peers(call, **peers) -> tuple[float, dict[str, float]]:
+    """Our time and each peer's, interleaved (:func:`.common.time_interleaved`); the ``reference`` peer
+    is ``call`` itself under ``SPARSEKV_BACKEND=reference``."""
+
+    def reference():
+        with backend("reference"):
+            call()
+
+    times = time_interleaved({"ours": call, "reference": reference, **peers})
+    return times.pop("ours"), times
 
 
 def max_peer_ms(max_python: str | None, op: str, batch: int, keys: int, dtype: torch.dtype,
@@ -115,8 +120,7 @@ def bench_compress(batch: int, keys: int, dtype: torch.dtype, max_python: str | 
     size = blocks.element_size()
     nbytes = (complete * RATIO * HEAD_DIM * size + out.numel() * size
               + complete * ROTARY_DIM * freqs.element_size() + HEAD_DIM * size)
-    ours, ref = _time_pair(call, call)
-    peers = {"reference": ref, "copy": time_call(copy_peer(nbytes), repeat=10, min_seconds=0.3)}
+    ours, peers = _time_with_peers(call, copy=copy_peer(nbytes))
     max_ms = max_peer_ms(max_python, "compress", batch, keys, dtype, threads)
     if max_ms is not None:
         peers["max"] = max_ms
@@ -140,8 +144,7 @@ def bench_block_score(batch: int, keys: int, rows_per_seq: int, dtype: torch.dty
 
     visible = min(keys // RATIO, max_blocks)
     nbytes = q.numel() * q.element_size() + batch * visible * HEAD_DIM * block_keys.element_size() + out.numel() * 4
-    ours, ref = _time_pair(call, call)
-    peers = {"reference": ref, "copy": time_call(copy_peer(nbytes), repeat=10, min_seconds=0.3)}
+    ours, peers = _time_with_peers(call, copy=copy_peer(nbytes))
     if rows_per_seq == ROWS_PER_SEQUENCE:  # the shape max_peer.py runs
         max_ms = max_peer_ms(max_python, "block_score", batch, keys, dtype, threads)
         if max_ms is not None:
@@ -162,9 +165,9 @@ def bench_select(batch: int, keys: int) -> BenchRow:
         qsa_select_tokens(scores, positions, offsets, ratio=RATIO, budget=BUDGET)
 
     nbytes = scores.numel() * 4 + rows * (BUDGET + RATIO - 1) * 4
-    ours, ref = _time_pair(call, call)
+    ours, peers = _time_with_peers(call, copy=copy_peer(nbytes))
     return BenchRow("qsa_select_tokens", f"rows={rows} blocks={keys // RATIO} budget={BUDGET}", "fp32", "cpu",
-                    ours, nbytes, {"reference": ref, "copy": time_call(copy_peer(nbytes), repeat=10)})
+                    ours, nbytes, peers)
 
 
 def bench_sparse_attention(batch: int, cached: int, dtype: torch.dtype) -> BenchRow:
@@ -195,8 +198,7 @@ def bench_sparse_attention(batch: int, cached: int, dtype: torch.dtype) -> Bench
 
     size = blocks.element_size()
     nbytes = int(counts.sum()) * KV_HEADS * MAIN_HEAD_DIM * 2 * size + 2 * q.numel() * size
-    ours, ref = _time_pair(call, call)
-    peers = {"reference": ref, "sdpa": time_call(dense, repeat=5), "copy": time_call(copy_peer(nbytes), repeat=10)}
+    ours, peers = _time_with_peers(call, sdpa=dense, copy=copy_peer(nbytes))
     return BenchRow("qsa_sparse_attention_paged",
                     f"decode B={batch} cached={cached} budget={BUDGET} q24/kv2 D=256", _DTYPE_NAMES[dtype], "cpu",
                     ours, nbytes, peers)
