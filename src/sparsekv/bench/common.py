@@ -83,11 +83,13 @@ def time_interleaved(calls: dict[str, Callable[[], object]], *, rounds: int = 9,
                      device: torch.device | str | None = None, round_ms: float = 2.0) -> dict[str, float]:
     """Median per-call time (ms) of every call, measured in interleaved rounds.
 
-    Each round times every call in turn, a call under ``round_ms`` several
-    times back to back (their mean is that round's sample). A machine that
-    slows down or speeds up during the run then shifts every column alike,
-    so the ratios between ours and the peers stay fair; timing one call's
-    repeats before the next call's would put the drift into the ratio.
+    Each round runs every call in turn: once untimed (so that every call is
+    timed with its own data in cache, however long it is), then timed, a
+    call under ``round_ms`` several times back to back (their mean is that
+    round's sample). A machine that slows down or speeds up during the run
+    then shifts every column alike, so the ratios between ours and the peers
+    stay fair; timing one call's repeats before the next call's would put the
+    drift into the ratio.
     """
     device = torch.device(device) if device is not None else None
     repeats = {}
@@ -102,6 +104,7 @@ def time_interleaved(calls: dict[str, Callable[[], object]], *, rounds: int = 9,
     samples: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(rounds):
         for name, fn in calls.items():
+            fn()
             _sync(device)
             started = time.perf_counter()
             for _ in range(repeats[name]):
