@@ -297,6 +297,17 @@ def qsa_block_score(scores, q, block_keys, query_positions, input_row_offsets, r
 
 # ---- sparse attention -------------------------------------------------------------
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _gather_tokens(target, cache, positions, table_row, page_size, page_stride, plane_base, kv_heads, kv_head, dim):
+    """``target[i, :dim]`` = KV head ``kv_head`` of token ``positions[i]`` in one plane (``plane_base``) of
+    the flat main cache, through the sequence's page-table row, in ``target``'s layout (:func:`put_key_row`)."""
+    for i in range(positions.shape[0]):
+        position = positions[i]
+        start = (table_row[position // page_size] * page_stride + plane_base
+                 + ((position % page_size) * kv_heads + kv_head) * dim)
+        put_key_row(target, i, cache[start : start + dim])
+
+
 @numba.njit(**PARALLEL_JIT)
 def _sparse_attention_kernel(out, lse, q, cache, page_stride, key_base, value_base, page_size, kv_heads, table,
                              indices, counts, seq_of_row, scale, gate, has_gate):
@@ -334,11 +345,8 @@ def _sparse_attention_kernel(out, lse, q, cache, page_stride, key_base, value_ba
         keys = new_scratch(cache, dim)
         for n0 in range(0, count, KEYS_PER_TASK):
             chunk = min(KEYS_PER_TASK, count - n0)
-            for i in range(chunk):
-                position = indices[r, n0 + i]
-                start = (table[b, position // page_size] * page_stride + key_base
-                         + ((position % page_size) * kv_heads + kvh) * dim)
-                put_key_row(keys, i, cache[start : start + dim])
+            _gather_tokens(keys, cache, indices[r, n0 : n0 + chunk], table[b], page_size, page_stride, key_base,
+                           kv_heads, kvh, dim)
             keys[chunk : chunk + KEYS_PER_TILE] = 0
             tile_dots(logits[n0:], q_t, keys, lanes, chunk)
         row_max = np.full(lanes, -np.inf, np.float32)
@@ -357,14 +365,8 @@ def _sparse_attention_kernel(out, lse, q, cache, page_stride, key_base, value_ba
         values = np.zeros((KEYS_PER_TASK, padded_dim), np.float32)  # widened; padding channels stay 0
         for n0 in range(0, count, KEYS_PER_TASK):
             chunk = min(KEYS_PER_TASK, count - n0)
-            for i in range(chunk):
-                position = indices[r, n0 + i]
-                start = (table[b, position // page_size] * page_stride + value_base
-                         + ((position % page_size) * kv_heads + kvh) * dim)
-                value = cache[start : start + dim]
-                value_row = values[i]
-                for d in range(dim):
-                    value_row[d] = widen(value[d])
+            _gather_tokens(values, cache, indices[r, n0 : n0 + chunk], table[b], page_size, page_stride, value_base,
+                           kv_heads, kvh, dim)
             weighted_rows(acc, logits[n0:], values, group, chunk)
         for h in range(group):
             lse[r, h0 + h] = row_max[h] + np.log(denom[h])
