@@ -217,92 +217,105 @@ WEIGHTED_HEADS = 8
 WEIGHTED_CHANNELS = 2 * VECTOR
 
 
-@intrinsic
-def _weighted_rows_tile(typingctx, acc, weights, rows, head0, chan0, num_rows):
-    """``acc[head0 + k, chan0 : chan0 + 32] += sum_n weights[n, head0 + k] * rows[n, chan0 : chan0 + 32]``
-    for ``k < 8``, one fused multiply-add per row ``n = 0, 1, ...`` in order, the 16 accumulators
-    in registers. All float32 2-d C arrays; the caller keeps every index in bounds."""
-    for array in (acc, weights, rows):
-        if not _is_c_matrix(array, types.float32):
-            return None
-    signature = types.void(acc, weights, rows, types.intp, types.intp, types.intp)
+def _make_weighted_rows_tile(heads: int):
+    """An intrinsic ``tile(acc, weights, rows, head0, chan0, num_rows)`` for ``heads`` heads x 32 channels:
+    ``acc[head0 + k, chan0 : chan0 + 32] += sum_n weights[n, head0 + k] * rows[n, chan0 : chan0 + 32]``
+    for ``k < heads``, one fused multiply-add per row ``n = 0, 1, ...`` in order, the accumulators in
+    registers. All float32 2-d C arrays; the caller keeps every index in bounds."""
 
-    def codegen(context, builder, sig, args):
-        acc_arr, weights_arr, rows_arr = (context.make_array(t)(context, builder, a)
-                                          for t, a in zip(sig.args[:3], args[:3]))
-        head0, chan0, num_rows = args[3], args[4], args[5]
-        index = ir.IntType(64)
-        vector = ir.VectorType(ir.FloatType(), VECTOR)
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vector, [vector] * 3), "llvm.fma.v16f32")
-        acc_cols = builder.extract_value(acc_arr.shape, 1)
-        weight_cols = builder.extract_value(weights_arr.shape, 1)
-        row_cols = builder.extract_value(rows_arr.shape, 1)
+    @intrinsic
+    def tile(typingctx, acc, weights, rows, head0, chan0, num_rows):
+        for array in (acc, weights, rows):
+            if not _is_c_matrix(array, types.float32):
+                return None
+        signature = types.void(acc, weights, rows, types.intp, types.intp, types.intp)
 
-        def constant(value):
-            return ir.Constant(index, value)
+        def codegen(context, builder, sig, args):
+            acc_arr, weights_arr, rows_arr = (context.make_array(t)(context, builder, a)
+                                              for t, a in zip(sig.args[:3], args[:3]))
+            head0, chan0, num_rows = args[3], args[4], args[5]
+            index = ir.IntType(64)
+            vector = ir.VectorType(ir.FloatType(), VECTOR)
+            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vector, [vector] * 3),
+                                                 "llvm.fma.v16f32")
+            acc_cols = builder.extract_value(acc_arr.shape, 1)
+            weight_cols = builder.extract_value(weights_arr.shape, 1)
+            row_cols = builder.extract_value(rows_arr.shape, 1)
 
-        def vector_at(data, offset):
-            return builder.bitcast(builder.gep(data, [offset]), vector.as_pointer())
+            def constant(value):
+                return ir.Constant(index, value)
 
-        acc_starts = [builder.add(builder.mul(builder.add(head0, constant(k)), acc_cols), chan0)
-                      for k in range(WEIGHTED_HEADS)]
-        initial = [[builder.load(vector_at(acc_arr.data, builder.add(acc_starts[k], constant(v * VECTOR))), align=4)
-                    for v in range(2)] for k in range(WEIGHTED_HEADS)]
-        entry = builder.block
-        loop = builder.append_basic_block("weighted_rows")
-        done = builder.append_basic_block("weighted_done")
-        builder.cbranch(builder.icmp_signed(">", num_rows, constant(0)), loop, done)
-        builder.position_at_end(loop)
-        n = builder.phi(index)
-        n.add_incoming(constant(0), entry)
-        accumulators = [[builder.phi(vector) for _ in range(2)] for _ in range(WEIGHTED_HEADS)]
-        for k in range(WEIGHTED_HEADS):
-            for v in range(2):
-                accumulators[k][v].add_incoming(initial[k][v], entry)
-        row_start = builder.add(builder.mul(n, row_cols), chan0)
-        values = [builder.load(vector_at(rows_arr.data, builder.add(row_start, constant(v * VECTOR))), align=4)
-                  for v in range(2)]
-        weight_start = builder.add(builder.mul(n, weight_cols), head0)
-        splat_mask = ir.Constant(ir.VectorType(ir.IntType(32), VECTOR), [0] * VECTOR)
-        updated = []
-        for k in range(WEIGHTED_HEADS):
-            weight = builder.load(builder.gep(weights_arr.data, [builder.add(weight_start, constant(k))]))
-            spread = builder.insert_element(ir.Constant(vector, ir.Undefined), weight, ir.Constant(ir.IntType(32), 0))
-            spread = builder.shuffle_vector(spread, ir.Constant(vector, ir.Undefined), splat_mask)
-            updated.append([builder.call(fma, [spread, values[v], accumulators[k][v]]) for v in range(2)])
-        next_n = builder.add(n, constant(1))
-        body_end = builder.block
-        n.add_incoming(next_n, body_end)
-        for k in range(WEIGHTED_HEADS):
-            for v in range(2):
-                accumulators[k][v].add_incoming(updated[k][v], body_end)
-        builder.cbranch(builder.icmp_signed("<", next_n, num_rows), loop, done)
-        builder.position_at_end(done)
-        finals = [[builder.phi(vector) for _ in range(2)] for _ in range(WEIGHTED_HEADS)]  # phis first
-        for k in range(WEIGHTED_HEADS):
-            for v in range(2):
-                finals[k][v].add_incoming(initial[k][v], entry)
-                finals[k][v].add_incoming(updated[k][v], body_end)
-        for k in range(WEIGHTED_HEADS):
-            for v in range(2):
-                builder.store(finals[k][v], vector_at(acc_arr.data, builder.add(acc_starts[k], constant(v * VECTOR))),
-                              align=4)
-        return context.get_dummy_value()
+            def vector_at(data, offset):
+                return builder.bitcast(builder.gep(data, [offset]), vector.as_pointer())
 
-    return signature, codegen
+            acc_starts = [builder.add(builder.mul(builder.add(head0, constant(k)), acc_cols), chan0)
+                          for k in range(heads)]
+            initial = [[builder.load(vector_at(acc_arr.data, builder.add(acc_starts[k], constant(v * VECTOR))), align=4)
+                        for v in range(2)] for k in range(heads)]
+            entry = builder.block
+            loop = builder.append_basic_block("weighted_rows")
+            done = builder.append_basic_block("weighted_done")
+            builder.cbranch(builder.icmp_signed(">", num_rows, constant(0)), loop, done)
+            builder.position_at_end(loop)
+            n = builder.phi(index)
+            n.add_incoming(constant(0), entry)
+            accumulators = [[builder.phi(vector) for _ in range(2)] for _ in range(heads)]
+            for k in range(heads):
+                for v in range(2):
+                    accumulators[k][v].add_incoming(initial[k][v], entry)
+            row_start = builder.add(builder.mul(n, row_cols), chan0)
+            values = [builder.load(vector_at(rows_arr.data, builder.add(row_start, constant(v * VECTOR))), align=4)
+                      for v in range(2)]
+            weight_start = builder.add(builder.mul(n, weight_cols), head0)
+            splat_mask = ir.Constant(ir.VectorType(ir.IntType(32), VECTOR), [0] * VECTOR)
+            updated = []
+            for k in range(heads):
+                weight = builder.load(builder.gep(weights_arr.data, [builder.add(weight_start, constant(k))]))
+                spread = builder.insert_element(ir.Constant(vector, ir.Undefined), weight,
+                                                ir.Constant(ir.IntType(32), 0))
+                spread = builder.shuffle_vector(spread, ir.Constant(vector, ir.Undefined), splat_mask)
+                updated.append([builder.call(fma, [spread, values[v], accumulators[k][v]]) for v in range(2)])
+            next_n = builder.add(n, constant(1))
+            body_end = builder.block
+            n.add_incoming(next_n, body_end)
+            for k in range(heads):
+                for v in range(2):
+                    accumulators[k][v].add_incoming(updated[k][v], body_end)
+            builder.cbranch(builder.icmp_signed("<", next_n, num_rows), loop, done)
+            builder.position_at_end(done)
+            finals = [[builder.phi(vector) for _ in range(2)] for _ in range(heads)]  # phis first
+            for k in range(heads):
+                for v in range(2):
+                    finals[k][v].add_incoming(initial[k][v], entry)
+                    finals[k][v].add_incoming(updated[k][v], body_end)
+            for k in range(heads):
+                for v in range(2):
+                    target = vector_at(acc_arr.data, builder.add(acc_starts[k], constant(v * VECTOR)))
+                    builder.store(finals[k][v], target, align=4)
+            return context.get_dummy_value()
+
+        return signature, codegen
+
+    return tile
+
+
+_weighted_rows_8, _weighted_rows_4 = _make_weighted_rows_tile(8), _make_weighted_rows_tile(4)
 
 
 @numba.njit(cache=True, nogil=True)
 def weighted_rows(acc, weights, rows, heads, num_rows):
-    """``acc[h, :] += sum_n weights[n, h] * rows[n, :]`` for ``h < heads`` (rounded up to 8), ``n < num_rows``:
-    per (head, channel) one fused multiply-add per row, rows in order.
+    """``acc[h, :] += sum_n weights[n, h] * rows[n, :]`` for ``h < heads`` (rounded up to a multiple of 4),
+    ``n < num_rows``: per (head, channel) one fused multiply-add per row, rows in order.
 
-    ``acc [>= heads rounded up to 8, C]``, ``weights [>= num_rows, >= heads rounded up]``,
+    ``acc [>= heads rounded up to 8, C]``, ``weights [>= num_rows, >= heads rounded up to 8]``,
     ``rows [>= num_rows, C]``; float32, C-contiguous, ``C`` a multiple of ``WEIGHTED_CHANNELS`` (32).
     """
     for head0 in range(0, heads, WEIGHTED_HEADS):
         for chan0 in range(0, acc.shape[1], WEIGHTED_CHANNELS):
-            _weighted_rows_tile(acc, weights, rows, head0, chan0, num_rows)
+            if heads - head0 <= WEIGHTED_HEADS // 2:  # e.g. 12 heads = 8 + 4, not 8 + 8
+                _weighted_rows_4(acc, weights, rows, head0, chan0, num_rows)
+            else:
+                _weighted_rows_8(acc, weights, rows, head0, chan0, num_rows)
 
 
 @numba.njit(cache=True, nogil=True)
