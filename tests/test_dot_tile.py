@@ -140,17 +140,21 @@ def test_dots_of_rows_equals_the_tile_over_a_zero_padded_copy(dtype, dim, n):
     assert np.isnan(dots[padded_rows:]).all(), "wrote past the last tile"
 
 
+@pytest.mark.parametrize("bf16_values", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("heads, rows", [(3, 0), (8, 1), (12, 37)])
-def test_weighted_rows_sums_the_rows_in_order_per_head(heads, rows):
+def test_weighted_rows_sums_the_rows_in_order_per_head(heads, rows, bf16_values):
     rng = np.random.default_rng(heads * 100 + rows)
     computed = -(-heads // 4) * 4  # heads run in tiles of 8, the last one of 4 when 4 are enough
     head_rows, channels = -(-heads // WEIGHTED_HEADS) * WEIGHTED_HEADS, 2 * WEIGHTED_CHANNELS
     acc = rng.standard_normal((head_rows + 2, channels)).astype(np.float32)
     weights = rng.random((rows + 1, head_rows)).astype(np.float32)
     values = rng.standard_normal((rows + 1, channels)).astype(np.float32)
+    if bf16_values:  # bf16 bits, widened inside the tile
+        values = _bf16_bits(values)
+    widened = _bf16_values(values) if bf16_values else values
     want = acc.astype(np.float64)
     for n in range(rows):  # one rounding per row, as the fused multiply-add chain does (see the tile test)
-        products = weights[n, :computed, None].astype(np.float64) * values[n]
+        products = weights[n, :computed, None].astype(np.float64) * widened[n]
         want[:computed] = (want[:computed] + products).astype(np.float32)
     before = acc.copy()
     weighted_rows(acc, weights, values, heads, rows)

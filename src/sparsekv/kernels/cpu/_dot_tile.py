@@ -221,13 +221,15 @@ def _make_weighted_rows_tile(heads: int):
     """An intrinsic ``tile(acc, weights, rows, head0, chan0, num_rows)`` for ``heads`` heads x 32 channels:
     ``acc[head0 + k, chan0 : chan0 + 32] += sum_n weights[n, head0 + k] * rows[n, chan0 : chan0 + 32]``
     for ``k < heads``, one fused multiply-add per row ``n = 0, 1, ...`` in order, the accumulators in
-    registers. All float32 2-d C arrays; the caller keeps every index in bounds."""
+    registers. 2-d C arrays, float32 (``rows`` may be bf16 bits, ``uint16``); the caller keeps every
+    index in bounds."""
 
     @intrinsic
     def tile(typingctx, acc, weights, rows, head0, chan0, num_rows):
-        for array in (acc, weights, rows):
-            if not _is_c_matrix(array, types.float32):
-                return None
+        if not (_is_c_matrix(acc, types.float32) and _is_c_matrix(weights, types.float32)
+                and (_is_c_matrix(rows, types.float32) or _is_c_matrix(rows, types.uint16))):
+            return None
+        bf16_rows = rows.dtype == types.uint16
         signature = types.void(acc, weights, rows, types.intp, types.intp, types.intp)
 
         def codegen(context, builder, sig, args):
@@ -264,8 +266,18 @@ def _make_weighted_rows_tile(heads: int):
                 for v in range(2):
                     accumulators[k][v].add_incoming(initial[k][v], entry)
             row_start = builder.add(builder.mul(n, row_cols), chan0)
-            values = [builder.load(vector_at(rows_arr.data, builder.add(row_start, constant(v * VECTOR))), align=4)
-                      for v in range(2)]
+            if bf16_rows:  # widened in registers: the bf16 bits shifted into the high half
+                halves = ir.VectorType(ir.IntType(16), VECTOR)
+                words = ir.VectorType(ir.IntType(32), VECTOR)
+                values = []
+                for v in range(2):
+                    address = builder.gep(rows_arr.data, [builder.add(row_start, constant(v * VECTOR))])
+                    bits = builder.load(builder.bitcast(address, halves.as_pointer()), align=2)
+                    shifted = builder.shl(builder.zext(bits, words), ir.Constant(words, [16] * VECTOR))
+                    values.append(builder.bitcast(shifted, vector))
+            else:
+                values = [builder.load(vector_at(rows_arr.data, builder.add(row_start, constant(v * VECTOR))),
+                                       align=4) for v in range(2)]
             weight_start = builder.add(builder.mul(n, weight_cols), head0)
             splat_mask = ir.Constant(ir.VectorType(ir.IntType(32), VECTOR), [0] * VECTOR)
             updated = []
@@ -308,7 +320,8 @@ def weighted_rows(acc, weights, rows, heads, num_rows):
     ``n < num_rows``: per (head, channel) one fused multiply-add per row, rows in order.
 
     ``acc [>= heads rounded up to 8, C]``, ``weights [>= num_rows, >= heads rounded up to 8]``,
-    ``rows [>= num_rows, C]``; float32, C-contiguous, ``C`` a multiple of ``WEIGHTED_CHANNELS`` (32).
+    ``rows [>= num_rows, C]`` float32 or bf16 bits (``uint16``, widened in registers); all
+    C-contiguous, ``C`` a multiple of ``WEIGHTED_CHANNELS`` (32).
     """
     for head0 in range(0, heads, WEIGHTED_HEADS):
         for chan0 in range(0, acc.shape[1], WEIGHTED_CHANNELS):
@@ -409,6 +422,19 @@ def dots_of_rows(dots, q_t, rows, lanes, scratch):
         tail[: n - full] = keys[full:n]
         tail[n - full :] = 0
         tile_dots(dots[full:], q_t, tail, lanes, n - full)
+
+
+def new_value_scratch(values, channels):
+    """Scratch for ``KEYS_PER_TASK`` value rows of ``channels`` (zeroed) in :func:`weighted_rows`' layout
+    for values like ``values`` (numba only): bf16 bits (``uint16``) stay bits, other floats float32."""
+    raise NotImplementedError
+
+
+@overload(new_value_scratch, inline="always")
+def _new_value_scratch_overload(values, channels):
+    if values.dtype == types.uint16:
+        return lambda values, channels: np.zeros((KEYS_PER_TASK, channels), np.uint16)
+    return lambda values, channels: np.zeros((KEYS_PER_TASK, channels), np.float32)
 
 
 def put_key_row(scratch, i, key):

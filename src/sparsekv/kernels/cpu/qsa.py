@@ -53,7 +53,8 @@ from numba import prange
 
 from ._bits import as_numba, narrow, widen
 from ._dot_tile import (KEYS_PER_TASK, KEYS_PER_TILE, VECTOR, WEIGHTED_CHANNELS, dots_of_rows, new_query_tiles,
-                        new_scratch, plan_score_tasks, put_key_row, put_query, tile_dots, weighted_rows)
+                        new_scratch, new_value_scratch, plan_score_tasks, put_key_row, put_query, tile_dots,
+                        weighted_rows)
 from ._math import exp_f32
 from ._parallel import PARALLEL_JIT, threads_for
 
@@ -298,13 +299,34 @@ def qsa_block_score(scores, q, block_keys, query_positions, input_row_offsets, r
 # ---- sparse attention -------------------------------------------------------------
 
 @numba.njit(cache=True, nogil=True, inline="always")
+def _log2_if_power_of_two(n):
+    """``log2(n)`` for a power of two ``n >= 1``, else -1."""
+    if n <= 0 or n & (n - 1) != 0:
+        return -1
+    shift = 0
+    while (1 << shift) < n:
+        shift += 1
+    return shift
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _token_start(position, table_row, page_size, shift, page_stride, plane_base, kv_heads, kv_head, dim):
+    """Flat index of KV head ``kv_head`` of token ``position`` in one plane of the main cache."""
+    if shift >= 0:
+        page, slot = position >> shift, position & (page_size - 1)
+    else:
+        page, slot = position // page_size, position % page_size
+    return table_row[page] * page_stride + plane_base + (slot * kv_heads + kv_head) * dim
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
 def _gather_tokens(target, cache, positions, table_row, page_size, page_stride, plane_base, kv_heads, kv_head, dim):
     """``target[i, :dim]`` = KV head ``kv_head`` of token ``positions[i]`` in one plane (``plane_base``) of
     the flat main cache, through the sequence's page-table row, in ``target``'s layout (:func:`put_key_row`)."""
+    shift = _log2_if_power_of_two(page_size)  # shifts instead of two integer divisions per row
     for i in range(positions.shape[0]):
-        position = positions[i]
-        start = (table_row[position // page_size] * page_stride + plane_base
-                 + ((position % page_size) * kv_heads + kv_head) * dim)
+        start = _token_start(positions[i], table_row, page_size, shift, page_stride, plane_base, kv_heads, kv_head,
+                             dim)
         put_key_row(target, i, cache[start : start + dim])
 
 
@@ -362,7 +384,7 @@ def _sparse_attention_kernel(out, lse, q, cache, page_stride, key_base, value_ba
                 logits[n, h] = weight
                 denom[h] += weight
         acc = np.zeros((lanes, padded_dim), np.float32)
-        values = np.zeros((KEYS_PER_TASK, padded_dim), np.float32)  # widened; padding channels stay 0
+        values = new_value_scratch(cache, padded_dim)  # bf16 stays bits; padding channels stay 0
         for n0 in range(0, count, KEYS_PER_TASK):
             chunk = min(KEYS_PER_TASK, count - n0)
             _gather_tokens(values, cache, indices[r, n0 : n0 + chunk], table[b], page_size, page_stride, value_base,
