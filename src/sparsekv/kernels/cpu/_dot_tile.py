@@ -1,4 +1,4 @@
-"""Register-blocked float32 dot products for the numba score kernels: every dot product in a fixed order.
+"""Register tiles for the numba score and attention kernels: every dot product and weighted sum in a fixed order.
 
 :func:`tile_dots` fills ``dots [keys, lanes]`` with ``keys[i] . q_t[:, lane]``
 for float32 ``q_t [D, lanes]`` (query heads as columns, ``lanes`` a multiple
@@ -28,6 +28,14 @@ For this path the keys stay ``uint16`` (``[keys, 2P]``, ``P`` pairs) and the
 queries are packed as ``int32`` pairs ``[P, lanes]`` (channel ``2j`` in the
 low half); :func:`dots_of_rows` and :func:`plan_score_tasks` pick the layout
 from the dtypes.
+
+:func:`dots_of_rows` runs the tiles on keys read in place (a page's
+consecutive pooled keys, a sequence's block keys): whole tiles straight from
+memory, the last ``n % 8`` keys from a zero-padded copy, and each tile
+prefetches the next tile's keys. :func:`weighted_rows` is the other half of
+attention, ``acc[h] += sum_n p[n, h] * v[n]``: tiles of 8 (or 4) heads x 32
+channels, rows in order, one fused multiply-add each, bf16 values widened in
+registers.
 
 Example: ``q_t`` ``[128, 16]`` (4 rows x 4 heads), ``keys`` ``[128, 128]``:
 ``tile_dots(dots, q_t, keys, 16, 100)`` runs 13 tiles and writes
