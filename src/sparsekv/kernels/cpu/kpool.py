@@ -248,21 +248,25 @@ def mla_kpool_ring_close(closed, closed_ids, ring, slot_ids, k, gate, ape, input
 
 
 @numba.njit(cache=True, nogil=True)
-def _pools_needed(visible, offsets):
-    """``[B]`` pools each sequence's rows see at most (0 for a sequence without rows)."""
+def _visibility(positions, offsets, kpool, out_cols):
+    """``(visible [total_q], needed [B], total)``: the pools each row sees (``(t+1)//kpool`` capped at
+    ``out_cols``), the most any row of each sequence sees, and their sum (the work to split)."""
     batch = offsets.shape[0] - 1
+    visible = np.empty(positions.shape[0], np.int64)
     needed = np.zeros(batch, np.int64)
+    total = 0
     for b in range(batch):
         for r in range(offsets[b], offsets[b + 1]):
+            visible[r] = min(max((np.int64(positions[r]) + 1) // kpool, 0), out_cols)
             needed[b] = max(needed[b], visible[r])
-    return needed
+            total += visible[r]
+    return visible, needed, total
 
 
-def _check_score_pages(pooled_blocks, lookup_table, visible, offsets):
+def _check_score_pages(pooled_blocks, lookup_table, needed):
     """``ValueError`` (the reference's wording: the first bad pool) unless every visible pool has a page."""
     per_page = pooled_blocks.shape[3]
-    seq, pool = _first_missing_page(lookup_table.numpy(), pooled_blocks.shape[0], per_page,
-                                    _pools_needed(visible.numpy(), offsets.numpy()))
+    seq, pool = _first_missing_page(lookup_table.numpy(), pooled_blocks.shape[0], per_page, needed)
     if seq >= 0:
         resolve_pages(lookup_table, pooled_blocks.shape[0], per_page, torch.tensor([seq]), torch.tensor([pool]))
 
@@ -325,9 +329,9 @@ def mla_kpool_score(scores, q, head_weights, pooled_blocks, lookup_table, query_
     total_q, out_cols = scores.shape
     if total_q == 0:
         return
-    visible = torch.div(query_positions.to(torch.int64) + 1, kpool, rounding_mode="floor").clamp(0, out_cols)
-    offsets = input_row_offsets.to(torch.int64)
-    _check_score_pages(pooled_blocks, lookup_table, visible, offsets)
+    offsets = input_row_offsets.numpy()
+    visible, needed, total_visible = _visibility(query_positions.numpy(), offsets, kpool, out_cols)
+    _check_score_pages(pooled_blocks, lookup_table, needed)
     num_pages, planes, layers, per_page, _, dim = pooled_blocks.shape
     if num_pages == 0:  # validated above: no row sees a pool
         cache, page_stride = pooled_blocks.new_empty(0), 0
@@ -339,11 +343,9 @@ def mla_kpool_score(scores, q, head_weights, pooled_blocks, lookup_table, query_
         cache = pooled_blocks.as_strided((span,), (1,))  # flat: numba vectorises contiguous slices only
     base = layer * per_page * dim  # plane 0 of this layer
     target = scores if scores.is_contiguous() else torch.empty_like(scores, memory_format=torch.contiguous_format)
-    work = int(visible.sum()) * q.shape[1] * q.shape[2]
-    with threads_for(work):
+    with threads_for(total_visible * q.shape[1] * q.shape[2]):
         _score_kernel(target.numpy(), as_numba(q.contiguous()), head_weights.float().contiguous().numpy(),
-                      as_numba(cache), page_stride, base, per_page, lookup_table.numpy(), visible.numpy(),
-                      offsets.numpy())
+                      as_numba(cache), page_stride, base, per_page, lookup_table.numpy(), visible, offsets)
     if target is not scores:
         scores.copy_(target)
 
