@@ -31,12 +31,12 @@ What each kernel is made of, and why (measured with ``benchmarks/bench_kpool.py`
 * mode last, seed tail: pure gathers/scatters, already memory-bound in torch.
 * score: one numba pass, one task per (sequence, chunk of 128 pools): the
   chunk's pooled keys are read in place, page by page, through the page table
-  (bf16 as bits, no copy), by each
-  group of the sequence's rows in register tiles (:mod:`._dot_tile`: every
-  dot product the same chain in a fixed channel order; bf16 pairs through
-  ``VDPBF16PS``), then relu and the head-weighted sum in head order. So a
-  row's scores do not depend on the rows that share the call (BLAS does not
-  promise that), and nothing is gathered into a copy first.
+  (bf16 as bits, no copy), by each group of the sequence's rows in register
+  tiles (:mod:`._dot_tile`: every dot product the same chain in a fixed
+  channel order; bf16 pairs through ``VDPBF16PS``), then relu and the
+  head-weighted sum in head order. So a row's scores do not depend on the
+  rows that share the call (BLAS does not promise that), and nothing is
+  gathered into a copy first.
 """
 
 from __future__ import annotations

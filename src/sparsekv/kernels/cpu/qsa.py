@@ -27,7 +27,7 @@ What each kernel is made of, and why (measured with ``benchmarks/bench_qsa.py``)
   (:func:`._dot_tile.weighted_rows`: 8 heads x 32 channels of accumulators,
   tokens in order), then divides once. Nothing the size of the history is
   materialised; dense SDPA would read all of it. (The first version, with
-  accumulators in memory and a libm ``exp`` per weight, was 3.8x slower.)
+  accumulators in memory and a libm ``exp`` per weight, was 4x slower.)
 
 bf16 and fp16 tensors enter numba as their raw 16-bit patterns and are
 widened and rounded to nearest-even with integer arithmetic, exactly as torch
