@@ -5,12 +5,16 @@ from __future__ import annotations
 import math
 import random
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_qsa_cases import poisoned
 
 from sparsekv import qsa_select_tokens, select_blocks_expand
 from sparsekv.kernels.cpu import select as cpu_select
+from sparsekv.kernels.cpu.select import _RADIX_BITS, _kth_largest, _order_key
 from sparsekv.kernels.reference import select as ref_select
 
 
@@ -123,3 +127,19 @@ def test_errors():
                                                                        torch.empty(2, dtype=torch.int32)))
     with pytest.raises(ValueError, match="must equal the 2 query rows"):
         qsa_select_tokens(scores, positions, torch.tensor([0, 1]), ratio=2, budget=4)
+
+
+@settings(max_examples=60)
+@given(st.lists(st.sampled_from([0.0, -0.0, 1.0, -1.0, 3.0e38, -3.0e38, 1e-45, -1e-45, float("inf"), float("-inf"),
+                                 float("nan"), 0.25, 0.5]) | st.floats(width=32), min_size=1, max_size=300),
+       st.data())
+def test_radix_select_finds_the_kth_largest_and_its_ties(values, data):
+    """The CPU select's threshold: the k-th largest score (NaN as -inf, -0.0 as 0.0) and how many of the scores
+    equal to it are among the k largest, against a sort."""
+    k = data.draw(st.integers(1, len(values)))
+    keys = np.array([_order_key(np.float32(v)) for v in values], np.int64)
+    ranked = sorted((-math.inf if math.isnan(v) else float(np.float32(v)) for v in values), reverse=True)
+    kth = ranked[k - 1]
+    threshold, ties = _kth_largest(keys, k, np.empty(1 << _RADIX_BITS, np.int64))
+    assert threshold == _order_key(np.float32(kth))
+    assert ties == k - sum(1 for v in ranked if v > kth)
