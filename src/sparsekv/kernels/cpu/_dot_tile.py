@@ -432,17 +432,22 @@ def dots_of_rows(dots, q_t, rows, lanes, scratch):
         tile_dots(dots[full:], q_t, tail, lanes, n - full)
 
 
-def new_value_scratch(values, channels):
-    """Scratch for ``KEYS_PER_TASK`` value rows of ``channels`` (zeroed) in :func:`weighted_rows`' layout
-    for values like ``values`` (numba only): bf16 bits (``uint16``) stay bits, other floats float32."""
+def new_value_scratch(values, dim, channels):
+    """Scratch for ``KEYS_PER_TASK`` value rows of ``channels >= dim`` in :func:`weighted_rows`' layout for
+    values like ``values`` (numba only): bf16 bits (``uint16``) stay bits, other floats float32. Only the
+    padding channels ``dim ..`` are zeroed (the rows are written before they are read)."""
     raise NotImplementedError
 
 
 @overload(new_value_scratch, inline="always")
-def _new_value_scratch_overload(values, channels):
-    if values.dtype == types.uint16:
-        return lambda values, channels: np.zeros((KEYS_PER_TASK, channels), np.uint16)
-    return lambda values, channels: np.zeros((KEYS_PER_TASK, channels), np.float32)
+def _new_value_scratch_overload(values, dim, channels):
+    dtype = np.uint16 if values.dtype == types.uint16 else np.float32
+
+    def value_scratch(values, dim, channels):
+        scratch = np.empty((KEYS_PER_TASK, channels), dtype)
+        scratch[:, dim:] = 0
+        return scratch
+    return value_scratch
 
 
 def put_key_row(scratch, i, key):

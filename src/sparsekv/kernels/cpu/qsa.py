@@ -384,7 +384,7 @@ def _sparse_attention_kernel(out, lse, q, cache, page_stride, key_base, value_ba
                 logits[n, h] = weight
                 denom[h] += weight
         acc = np.zeros((lanes, padded_dim), np.float32)
-        values = new_value_scratch(cache, padded_dim)  # bf16 stays bits; padding channels stay 0
+        values = new_value_scratch(cache, dim, padded_dim)  # bf16 stays bits; padding channels 0
         for n0 in range(0, count, KEYS_PER_TASK):
             chunk = min(KEYS_PER_TASK, count - n0)
             _gather_tokens(values, cache, indices[r, n0 : n0 + chunk], table[b], page_size, page_stride, value_base,
