@@ -148,7 +148,9 @@ def test_cpu_matches_reference(dtype):
         want_outs.append(want_out.reshape(-1))
         empty = case["counts"] <= 0
         assert (out[empty] == 0).all() and (lse[empty] == float("-inf")).all()
-    assert_spec_close(torch.cat(outs), torch.cat(want_outs), what="out")
+    # noise_floor: an output that is the cancellation of its values (|out| ~1e-7 of the largest) may differ
+    # by its terms' rounding; the fast path sums in another (fixed) order than the reference's einsum
+    assert_spec_close(torch.cat(outs), torch.cat(want_outs), what="out", noise_floor=3e-5)
 
 
 def test_gate_duplicates_and_lse():

@@ -1,0 +1,32 @@
+"""The SPEC 4 comparison itself: what it accepts and what it refuses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from spec4 import assert_spec_close
+
+
+def _nudge(x: torch.Tensor, index: int, ulps: int) -> torch.Tensor:
+    bits = x.clone().view(torch.int16)
+    bits[index] += ulps
+    return bits.view(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_noise_floor_forgives_only_cancelled_elements(dtype):
+    expected = torch.cat([torch.linspace(-1.0, 1.0, 199), torch.tensor([3e-7])]).to(dtype)
+    tiny_off = _nudge(expected, 199, 5)  # the tiny element, 5 ulps away (absolute error ~1e-9)
+    with pytest.raises(AssertionError, match="5 ulps apart"):
+        assert_spec_close(tiny_off, expected)
+    assert_spec_close(tiny_off, expected, noise_floor=3e-5)
+    large_off = _nudge(expected, 0, 2)  # -1.0, 2 ulps away: never forgiven
+    with pytest.raises(AssertionError, match="2 ulps apart"):
+        assert_spec_close(large_off, expected, noise_floor=3e-5)
+
+
+def test_float32_bound_is_relative_plus_scaled_absolute():
+    expected = torch.tensor([1.0, 1e-3, -2.0])
+    assert_spec_close(expected * (1 + 5e-6), expected)
+    with pytest.raises(AssertionError, match="max error"):
+        assert_spec_close(expected + torch.tensor([0.0, 1e-4, 0.0]), expected)
