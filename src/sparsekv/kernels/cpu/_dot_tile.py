@@ -86,6 +86,18 @@ def _is_c_matrix(array, dtype) -> bool:
     return isinstance(array, types.Array) and array.ndim == 2 and array.layout == "C" and array.dtype == dtype
 
 
+def _vector_at(builder, data, offset, kind):
+    """Pointer to a ``kind`` vector at element ``offset`` of ``data``."""
+    return builder.bitcast(builder.gep(data, [offset]), kind.as_pointer())
+
+
+def _splat(builder, value, kind):
+    """A ``kind`` vector (``VECTOR`` lanes) with ``value`` in every lane."""
+    one = builder.insert_element(ir.Constant(kind, ir.Undefined), value, ir.Constant(ir.IntType(32), 0))
+    return builder.shuffle_vector(one, ir.Constant(kind, ir.Undefined),
+                                  ir.Constant(ir.VectorType(ir.IntType(32), VECTOR), [0] * VECTOR))
+
+
 def _make_tile(lane_vectors: int):
     """An intrinsic ``tile(dots, q_t, keys, lane0, key0)`` for ``lane_vectors * VECTOR`` lanes x ``KEYS_PER_TILE`` keys.
 
@@ -137,12 +149,10 @@ def _make_tile(lane_vectors: int):
                 return ir.Constant(index, value)
 
             def vector_at(data, offset, kind):
-                return builder.bitcast(builder.gep(data, [offset]), kind.as_pointer())
+                return _vector_at(builder, data, offset, kind)
 
             def splat(value, kind):
-                one = builder.insert_element(ir.Constant(kind, ir.Undefined), value, ir.Constant(ir.IntType(32), 0))
-                return builder.shuffle_vector(one, ir.Constant(kind, ir.Undefined),
-                                              ir.Constant(ir.VectorType(ir.IntType(32), VECTOR), [0] * VECTOR))
+                return _splat(builder, value, kind)
 
             if pairs and _target_has_bf16_dot():
                 bf16_pairs = ir.VectorType(_BFloat(), 2 * VECTOR)
@@ -256,7 +266,7 @@ def _make_weighted_rows_tile(heads: int):
                 return ir.Constant(index, value)
 
             def vector_at(data, offset):
-                return builder.bitcast(builder.gep(data, [offset]), vector.as_pointer())
+                return _vector_at(builder, data, offset, vector)
 
             acc_starts = [builder.add(builder.mul(builder.add(head0, constant(k)), acc_cols), chan0)
                           for k in range(heads)]
@@ -287,13 +297,10 @@ def _make_weighted_rows_tile(heads: int):
                 values = [builder.load(vector_at(rows_arr.data, builder.add(row_start, constant(v * VECTOR))),
                                        align=4) for v in range(2)]
             weight_start = builder.add(builder.mul(n, weight_cols), head0)
-            splat_mask = ir.Constant(ir.VectorType(ir.IntType(32), VECTOR), [0] * VECTOR)
             updated = []
             for k in range(heads):
                 weight = builder.load(builder.gep(weights_arr.data, [builder.add(weight_start, constant(k))]))
-                spread = builder.insert_element(ir.Constant(vector, ir.Undefined), weight,
-                                                ir.Constant(ir.IntType(32), 0))
-                spread = builder.shuffle_vector(spread, ir.Constant(vector, ir.Undefined), splat_mask)
+                spread = _splat(builder, weight, vector)
                 updated.append([builder.call(fma, [spread, values[v], accumulators[k][v]]) for v in range(2)])
             next_n = builder.add(n, constant(1))
             body_end = builder.block
@@ -388,23 +395,15 @@ def _in_tile_layout(rows, scratch):
 def _in_tile_layout_overload(rows, scratch):
     if rows.dtype == types.float32:
         return lambda rows, scratch: rows
-    if rows.dtype == types.uint16:
-        def bf16_rows(rows, scratch):
-            n, dim = rows.shape
-            if dim % 2 == 0:
-                return rows
-            for i in range(n):
-                scratch[i, :dim] = rows[i]
-            return scratch[:n]
-        return bf16_rows
+    bf16_rows = rows.dtype == types.uint16  # read in place when D is even: channel pairs as stored
 
-    def widened_rows(rows, scratch):
-        n, dim = rows.shape
-        for i in range(n):
-            for d in range(dim):
-                scratch[i, d] = widen(rows[i, d])
-        return scratch[:n]
-    return widened_rows
+    def converted_rows(rows, scratch):
+        if bf16_rows and rows.shape[1] % 2 == 0:
+            return rows
+        for i in range(rows.shape[0]):
+            put_key_row(scratch, i, rows[i])
+        return scratch[: rows.shape[0]]
+    return converted_rows
 
 
 @numba.njit(cache=True, nogil=True)
