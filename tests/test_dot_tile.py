@@ -14,7 +14,8 @@ import torch
 
 from sparsekv.kernels.cpu._bits import as_numba
 from sparsekv.kernels.cpu._dot_tile import (KEYS_PER_TASK, KEYS_PER_TILE, VECTOR, WEIGHTED_CHANNELS, WEIGHTED_HEADS,
-                                            _target_has_bf16_dot, dots_of_rows, tile_dots, weighted_rows)
+                                            _target_has_bf16_dot, dots_of_gathered_rows, dots_of_rows,
+                                            gather_rows, tile_dots, weighted_rows)
 
 
 def _bf16_bits(x: np.ndarray) -> np.ndarray:
@@ -138,6 +139,42 @@ def test_dots_of_rows_equals_the_tile_over_a_zero_padded_copy(dtype, dim, n):
     dots_of_rows(dots, q_t, as_numba(keys), lanes, scratch)
     assert np.array_equal(dots[:n].view(np.int32), want[:n].view(np.int32))
     assert np.isnan(dots[padded_rows:]).all(), "wrote past the last tile"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("dim", [7, 64])
+@pytest.mark.parametrize("n", [1, 13, 200])
+def test_gathered_rows_equal_the_tile_over_a_gathered_copy(dtype, dim, n):
+    """Keys scattered through a flat array (starts in any order, odd offsets included) give the bits of
+    tiles over a gathered, padded copy, read in place (float32, even-D bf16) or converted first (fp16,
+    odd-D bf16); ``gather_rows`` copies exactly those rows."""
+    gen = torch.Generator().manual_seed(n * dim + 1)
+    lanes = VECTOR
+    flat = torch.randn(300 * dim + 3, generator=gen).to(dtype)
+    starts = torch.randperm(300, generator=gen)[:n] * dim + torch.randint(0, 3, (n,), generator=gen)
+    padding = 2 * KEYS_PER_TILE
+    row_starts = torch.cat([starts, starts[-1:].expand(padding)]).numpy().astype(np.int64)
+    rows = torch.stack([flat[s : s + dim] for s in starts.tolist()])
+    padded_rows = -(-n // KEYS_PER_TILE) * KEYS_PER_TILE
+    if dtype == torch.bfloat16:
+        q = torch.randn(dim, lanes, generator=gen).to(dtype)
+        q_t = _pack_pairs(as_numba(q))
+        copy = np.zeros((padded_rows, dim + dim % 2), np.uint16)
+        copy[:n, :dim] = as_numba(rows)
+    else:
+        q_t = torch.randn(dim, lanes, generator=gen).to(dtype).float().numpy()
+        copy = np.zeros((padded_rows, dim), np.float32)
+        copy[:n] = rows.float().numpy()
+    want = np.zeros((padded_rows, lanes), np.float32)
+    tile_dots(want, q_t, copy, lanes, n)
+    dots = np.full((n + KEYS_PER_TILE, lanes), np.nan, np.float32)
+    scratch = np.zeros((KEYS_PER_TASK + KEYS_PER_TILE, copy.shape[1]), copy.dtype)
+    dots_of_gathered_rows(dots, q_t, as_numba(flat), row_starts, n, dim, lanes, scratch)
+    assert np.array_equal(dots[:n].view(np.int32), want[:n].view(np.int32))
+
+    target = np.zeros((n, copy.shape[1]), copy.dtype)
+    gather_rows(target, as_numba(flat), row_starts, n, dim)
+    assert np.array_equal(target, copy[:n])
 
 
 @pytest.mark.parametrize("bf16_values", [False, True], ids=["fp32", "bf16"])

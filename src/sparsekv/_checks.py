@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+import numpy as np
 import torch
 
 KEY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -86,6 +87,15 @@ def as_index_tensor(name: str, value: torch.Tensor, *, ndim: int) -> torch.Tenso
     return torch.where(out_of_range, torch.full_like(value, -1), value).to(torch.int32)
 
 
+def host_array(t: torch.Tensor) -> np.ndarray:
+    """``t``'s values as a numpy array: a view for CPU tensors, a host copy (a sync) for device tensors.
+
+    Value checks read through numpy: the same checks without a torch op's
+    overhead (several microseconds each) per check.
+    """
+    return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
+
+
 def check_offsets(name: str, offsets: torch.Tensor, *, batch: int | None = None) -> torch.Tensor:
     """Check a ``[B+1]`` row-offset vector: integer, starts at 0, non-decreasing.
 
@@ -96,8 +106,7 @@ def check_offsets(name: str, offsets: torch.Tensor, *, batch: int | None = None)
         raise ValueError(f"{name}: expected shape ({batch + 1},) = batch + 1, got {tuple(offsets.shape)}")
     if offsets.shape[0] < 1:
         raise ValueError(f"{name}: expected at least one entry, got an empty tensor")
-    # CPU tensors are read through numpy: the same checks, without a torch op's overhead per check
-    values = offsets.numpy() if offsets.device.type == "cpu" else offsets
+    values = host_array(offsets)
     if int(values[0]) != 0:
         raise ValueError(f"{name}: expected offsets[0] == 0, got {int(values[0])}")
     if offsets.shape[0] > 1 and bool((values[1:] < values[:-1]).any()):

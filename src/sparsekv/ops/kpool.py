@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 import torch
 
-from .._checks import KEY_DTYPES, as_index_tensor, check_int, check_offsets, check_tensor
+from .._checks import KEY_DTYPES, as_index_tensor, check_int, check_offsets, check_tensor, host_array
 from ..cache.layout import PagedKVCacheCollection
 from ..kernels.reference.kpool import MODES
 from ._registry import debug_checks, kernel, out_op
@@ -313,11 +313,6 @@ def mla_kpool_seed_tail(ring: torch.Tensor, slot_ids: torch.Tensor, k: torch.Ten
     _seed_tail_op(ring, slot_ids, k, gate, offsets, cache_lengths, kpool)
 
 
-def _host_values(t: torch.Tensor):
-    """``t`` as numpy when it is a CPU tensor (reductions without a torch op's overhead), else ``t``."""
-    return t.numpy() if t.device.type == "cpu" else t
-
-
 def mla_kpool_score(q: torch.Tensor, head_weights: torch.Tensor, pooled_collection: PagedKVCacheCollection,
                     layer_idx: int, query_positions: torch.Tensor, input_row_offsets: torch.Tensor, *,
                     kpool: int, out_cols: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -369,12 +364,12 @@ def mla_kpool_score(q: torch.Tensor, head_weights: torch.Tensor, pooled_collecti
         offsets = check_offsets("input_row_offsets", offsets, batch=pc.batch_size)
         if int(offsets[-1]) != total_q:
             raise ValueError(f"input_row_offsets: last offset {int(offsets[-1])} must equal q rows {total_q}")
-        if total_q and int(_host_values(positions).min()) < 0:
+        if total_q and int(host_array(positions).min()) < 0:
             raise ValueError(f"query_positions: expected values >= 0, got {positions.tolist()}")
     else:
         offsets = as_index_tensor("input_row_offsets", offsets, ndim=1)
     if out_cols is None or host:
-        needed = (int(_host_values(positions).max()) + 1) // kpool if total_q else 0
+        needed = (int(host_array(positions).max()) + 1) // kpool if total_q else 0
         if out_cols is None:
             out_cols = needed
         elif check_int("out_cols", out_cols, minimum=0) < needed:

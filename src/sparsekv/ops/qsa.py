@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
-from .._checks import KEY_DTYPES, as_index_tensor, check_int, check_offsets, check_same_dtype, check_tensor
-from ..cache.layout import PagedKVCacheCollection, ragged_rows
+from .._checks import (KEY_DTYPES, as_index_tensor, check_int, check_offsets, check_same_dtype, check_tensor,
+                       host_array)
+from ..cache.layout import PagedKVCacheCollection
 from ..kernels.reference.qsa import check_needed_pages
 from ._registry import debug_checks, kernel, out_op
 from .select import SelectedTokens, select_blocks_expand
@@ -415,17 +417,19 @@ def qsa_sparse_attention_paged(
 def _check_counted_positions(indices: torch.Tensor, counts: torch.Tensor, offsets: torch.Tensor,
                              cache_lengths: torch.Tensor) -> None:
     """Counts within ``[.., W]`` and counted positions in ``[0, tokens held)``, else ``ValueError``."""
+    indices, counts, offsets, cached = (host_array(t) for t in (indices, counts, offsets, cache_lengths))
     width = indices.shape[1]
-    too_many = counts > width
-    if bool(too_many.any()):
-        r = int(torch.nonzero(too_many)[0])
+    too_many = np.flatnonzero(counts > width)
+    if too_many.size:
+        r = int(too_many[0])
         raise ValueError(f"counts: row {r} counts {int(counts[r])} entries but indices has {width} columns")
-    seq_ids, _ = ragged_rows(offsets)
-    held = cache_lengths.long()[seq_ids] + (offsets[1:] - offsets[:-1]).long()[seq_ids]  # [total_q]
-    counted = torch.arange(width, device=indices.device)[None, :] < counts[:, None]
-    bad = counted & ((indices < 0) | (indices.long() >= held[:, None]))
-    if bool(bad.any()):
-        r, i = (int(x) for x in torch.nonzero(bad)[0])
+    rows_per_seq = np.diff(offsets.astype(np.int64))
+    seq_ids = np.repeat(np.arange(rows_per_seq.shape[0]), rows_per_seq)
+    held = cached.astype(np.int64)[seq_ids] + rows_per_seq[seq_ids]  # [total_q]
+    counted = np.arange(width)[None, :] < counts[:, None]
+    bad = counted & ((indices < 0) | (indices >= held[:, None]))
+    if bad.any():
+        r, i = (int(x) for x in np.argwhere(bad)[0])
         raise ValueError(
             f"indices: row {r}, entry {i} holds position {int(indices[r, i])}, outside [0, {int(held[r])}) "
             f"(the tokens sequence {int(seq_ids[r])} holds) inside the counted region (counts[{r}] = {int(counts[r])})"

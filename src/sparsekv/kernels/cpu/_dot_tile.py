@@ -99,26 +99,39 @@ def _splat(builder, value, kind):
 
 
 def _make_tile(lane_vectors: int):
-    """An intrinsic ``tile(dots, q_t, keys, lane0, key0)`` for ``lane_vectors * VECTOR`` lanes x ``KEYS_PER_TILE`` keys.
+    """An intrinsic ``tile(dots, q_t, keys, lane0, key0, row_starts)`` for ``lane_vectors * VECTOR`` lanes x
+    ``KEYS_PER_TILE`` keys.
 
-    ``dots`` float32; either ``q_t`` and ``keys`` float32 (channels), or
-    ``q_t`` int32 ``[P, lanes]`` and ``keys`` uint16 ``[rows, 2P]`` (bf16
-    channel pairs); all 2-d, C-contiguous. The caller keeps ``lane0 +
-    lane_vectors*VECTOR`` within ``q_t``'s and ``dots``' columns and ``key0 +
-    KEYS_PER_TILE`` within ``keys``' and ``dots``' rows (no bounds checks here).
+    ``dots`` float32; either ``q_t`` float32 and float32 ``keys`` (channels),
+    or ``q_t`` int32 ``[P, lanes]`` and uint16 ``keys`` (bf16 channel pairs);
+    ``dots`` and ``q_t`` 2-d, all C-contiguous. With ``row_starts`` ``None``,
+    ``keys`` is ``[rows, D]`` (bf16: ``[rows, 2P]``) and key ``i`` is its row
+    ``i``; with an int64 array, ``keys`` is 1-d and key ``i`` is the ``D``
+    elements from ``keys[row_starts[i]]`` (any offset, even an odd one for
+    bf16). The caller keeps ``lane0 + lane_vectors*VECTOR`` within ``q_t``'s
+    and ``dots``' columns, ``key0 + KEYS_PER_TILE`` within ``dots``' rows and
+    the keys', and ``key0 + 2*KEYS_PER_TILE`` within ``row_starts`` (the
+    prefetch of the next tile reads it; no bounds checks here).
     """
 
     @intrinsic
-    def tile(typingctx, dots, q_t, keys, lane0, key0):
+    def tile(typingctx, dots, q_t, keys, lane0, key0, row_starts):
         if not _is_c_matrix(dots, types.float32):
             return None
-        if _is_c_matrix(q_t, types.float32) and _is_c_matrix(keys, types.float32):
+        gathered = isinstance(row_starts, types.Array)
+        if gathered and not (row_starts.ndim == 1 and row_starts.dtype == types.int64
+                             and isinstance(keys, types.Array) and keys.ndim == 1 and keys.layout in "CA"):
+            return None
+        if not gathered and not (isinstance(row_starts, (types.NoneType, types.Omitted)) and isinstance(keys, types.Array)
+                                 and keys.ndim == 2 and keys.layout == "C"):
+            return None
+        if _is_c_matrix(q_t, types.float32) and keys.dtype == types.float32:
             pairs = False
-        elif _is_c_matrix(q_t, types.int32) and _is_c_matrix(keys, types.uint16):
+        elif _is_c_matrix(q_t, types.int32) and keys.dtype == types.uint16:
             pairs = True
         else:
             return None
-        signature = types.void(dots, q_t, keys, types.intp, types.intp)
+        signature = types.void(dots, q_t, keys, types.intp, types.intp, row_starts)
 
         def codegen(context, builder, sig, args):
             dots_arr, q_arr, keys_arr = (context.make_array(t)(context, builder, a)
@@ -131,14 +144,20 @@ def _make_tile(lane_vectors: int):
                                                  "llvm.fma.v16f32")
             q_cols = builder.extract_value(q_arr.shape, 1)
             depth = builder.extract_value(q_arr.shape, 0)  # channels, or channel pairs
-            key_row = builder.extract_value(keys_arr.shape, 1)
-            if pairs:
-                key_row = builder.sdiv(key_row, ir.Constant(index, 2))  # in 32-bit words
-                key_data = builder.bitcast(keys_arr.data, ir.IntType(32).as_pointer())
-                q_type = words
+            q_type = words if pairs else vector
+            element = ir.IntType(32) if pairs else ir.FloatType()  # what one channel step loads
+            if gathered:
+                starts_data = context.make_array(sig.args[5])(context, builder, args[5]).data
+
+                def key_row(k):  # keys + row_starts[k] elements, as a channel-step pointer
+                    start = builder.load(builder.gep(starts_data, [k]))
+                    return builder.bitcast(builder.gep(keys_arr.data, [start]), element.as_pointer())
             else:
-                key_data = keys_arr.data
-                q_type = vector
+                row_length = builder.extract_value(keys_arr.shape, 1)
+
+                def key_row(k):  # row k of keys
+                    return builder.bitcast(builder.gep(keys_arr.data, [builder.mul(k, row_length)]),
+                                           element.as_pointer())
             dots_cols = builder.extract_value(dots_arr.shape, 1)
             i32 = ir.IntType(32)
             prefetch = cgutils.get_or_insert_function(
@@ -179,7 +198,7 @@ def _make_tile(lane_vectors: int):
                 def multiply_add(q_vec, key_value, acc):
                     return builder.call(fma, [q_vec, splat(key_value, vector), acc])
 
-            key_starts = [builder.mul(builder.add(key0, constant(k)), key_row) for k in range(KEYS_PER_TILE)]
+            key_rows = [key_row(builder.add(key0, constant(k))) for k in range(KEYS_PER_TILE)]
             entry = builder.block
             loop = builder.append_basic_block("tile_channels")
             done = builder.append_basic_block("tile_done")
@@ -196,16 +215,16 @@ def _make_tile(lane_vectors: int):
                                       align=4)
                          for v in range(lane_vectors)]
             # Prefetch the next tile's keys meanwhile (keys stream from memory in place): at
-            # channel c, word 8*(c // 8) of key row key0 + 8 + c % 8, so over the loop every
-            # 32 bytes of the next 8 rows. A prefetch never faults: rows past the end need no guard.
-            ahead = builder.add(builder.add(key0, constant(KEYS_PER_TILE)), builder.and_(channel, constant(7)))
-            ahead_word = builder.add(builder.mul(ahead, key_row), builder.and_(channel, constant(-8)))
-            builder.call(prefetch, [builder.bitcast(builder.gep(key_data, [ahead_word]), ir.IntType(8).as_pointer()),
+            # channel step c, step 8*(c // 8) of key key0 + 8 + c % 8, so over the loop every
+            # 32 bytes of the next 8 keys. A prefetch never faults: rows past the end need no guard.
+            ahead = key_row(builder.add(builder.add(key0, constant(KEYS_PER_TILE)), builder.and_(channel, constant(7))))
+            builder.call(prefetch, [builder.bitcast(builder.gep(ahead, [builder.and_(channel, constant(-8))]),
+                                                    ir.IntType(8).as_pointer()),
                                     ir.Constant(ir.IntType(32), 0), ir.Constant(ir.IntType(32), 3),
                                     ir.Constant(ir.IntType(32), 1)])
             updated = []
             for k in range(KEYS_PER_TILE):
-                key_value = builder.load(builder.gep(key_data, [builder.add(key_starts[k], channel)]))
+                key_value = builder.load(builder.gep(key_rows[k], [channel]))
                 updated.append([multiply_add(q_vectors[v], key_value, accumulators[k][v])
                                 for v in range(lane_vectors)])
             next_channel = builder.add(channel, constant(1))
@@ -347,13 +366,17 @@ def weighted_rows(acc, weights, rows, heads, num_rows):
 
 
 @numba.njit(cache=True, nogil=True)
-def tile_dots(dots, q_t, keys, lanes, num_keys):
-    """``dots[i, l] = keys[i] . q_t[:, l]`` for ``l < lanes``, ``i < num_keys`` rounded up to ``KEYS_PER_TILE``.
+def tile_dots(dots, q_t, keys, lanes, num_keys, row_starts=None):
+    """``dots[i, l] = key_i . q_t[:, l]`` for ``l < lanes``, ``i < num_keys`` rounded up to ``KEYS_PER_TILE``.
 
-    ``q_t [D, >= lanes]``, ``keys [>= rounded keys, D]``, float32 (or the
-    bf16 pair layout: ``q_t`` int32 ``[P, >= lanes]``, ``keys`` uint16
-    ``[>= rounded keys, 2P]``); ``dots [>= rounded keys, >= lanes]`` float32;
-    all C-contiguous; ``lanes`` a multiple of ``VECTOR``.
+    ``q_t [D, >= lanes]`` float32 with float32 keys, or the bf16 pair layout
+    (``q_t`` int32 ``[P, >= lanes]``, uint16 keys of ``2P`` channels);
+    ``dots [>= rounded keys, >= lanes]`` float32; all C-contiguous; ``lanes``
+    a multiple of ``VECTOR``. ``key_i`` is row ``i`` of ``keys [>= rounded
+    keys, D]``, or, given ``row_starts`` (int64, ``>= rounded keys +
+    KEYS_PER_TILE`` entries, all pointing at whole keys), the ``D`` elements
+    of the 1-d ``keys`` from ``row_starts[i]``: keys gathered from anywhere
+    (e.g. cached tokens through a page table) without copying them first.
     """
     if q_t.shape[0] == 0:  # the tile's channel loop runs at least once
         dots[: (num_keys + KEYS_PER_TILE - 1) // KEYS_PER_TILE * KEYS_PER_TILE, :lanes] = 0.0
@@ -361,10 +384,10 @@ def tile_dots(dots, q_t, keys, lanes, num_keys):
     for key0 in range(0, num_keys, KEYS_PER_TILE):
         lane0 = 0
         while lane0 + 2 * VECTOR <= lanes:
-            _tile_32_lanes(dots, q_t, keys, lane0, key0)
+            _tile_32_lanes(dots, q_t, keys, lane0, key0, row_starts)
             lane0 += 2 * VECTOR
         if lane0 < lanes:
-            _tile_16_lanes(dots, q_t, keys, lane0, key0)
+            _tile_16_lanes(dots, q_t, keys, lane0, key0, row_starts)
 
 
 def new_scratch(keys, dim):
@@ -406,6 +429,26 @@ def _in_tile_layout_overload(rows, scratch):
     return converted_rows
 
 
+def _dots_in_place(dots, q_t, flat, row_starts, n, dim, lanes):
+    """:func:`tile_dots` on the keys where they lie, if the tile reads them as stored (float32, or bf16 bits
+    with an even ``dim``: channel pairs as stored); returns whether it did (numba only)."""
+    raise NotImplementedError
+
+
+@overload(_dots_in_place, inline="always")
+def _dots_in_place_overload(dots, q_t, flat, row_starts, n, dim, lanes):
+    if flat.dtype not in (types.float32, types.uint16):
+        return lambda dots, q_t, flat, row_starts, n, dim, lanes: False
+    bf16_keys = flat.dtype == types.uint16
+
+    def in_place(dots, q_t, flat, row_starts, n, dim, lanes):
+        if bf16_keys and dim % 2 != 0:
+            return False
+        tile_dots(dots, q_t, flat, lanes, n, row_starts)
+        return True
+    return in_place
+
+
 @numba.njit(cache=True, nogil=True)
 def dots_of_rows(dots, q_t, rows, lanes, scratch):
     """``dots[i, l] = rows[i] . q_t[:, l]`` for ``i < n``, ``l < lanes``; may write up to
@@ -429,6 +472,66 @@ def dots_of_rows(dots, q_t, rows, lanes, scratch):
         tail[: n - full] = keys[full:n]
         tail[n - full :] = 0
         tile_dots(dots[full:], q_t, tail, lanes, n - full)
+
+
+@intrinsic
+def _prefetch(typingctx, array, index):
+    """Ask for the cache line of ``array[index]`` (into every cache level); never faults."""
+    if not (isinstance(array, types.Array) and isinstance(index, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        i32 = ir.IntType(32)
+        prefetch = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), i32, i32, i32]),
+            "llvm.prefetch.p0")
+        address = builder.bitcast(builder.gep(data, [args[1]]), ir.IntType(8).as_pointer())
+        builder.call(prefetch, [address, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return types.void(array, index), codegen
+
+
+GATHER_AHEAD = 8
+"""Rows :func:`gather_rows` asks for ahead of the one it copies (scattered rows defeat the hardware prefetcher)."""
+CACHE_LINE = 64
+
+
+@numba.njit(cache=True, nogil=True)
+def gather_rows(target, flat, row_starts, n, dim):
+    """``target[i, :dim]`` = ``flat[row_starts[i] : row_starts[i] + dim]`` in ``target``'s layout
+    (:func:`put_key_row`) for ``i < n``, while prefetching row ``i + GATHER_AHEAD`` (while
+    ``row_starts`` has it: pass the rows after ``n`` too). ``row_starts`` int64, 1-d."""
+    line = max(1, CACHE_LINE // flat.itemsize)
+    for i in range(n):
+        if i + GATHER_AHEAD < row_starts.shape[0]:
+            ahead = row_starts[i + GATHER_AHEAD]
+            for offset in range(0, dim, line):
+                _prefetch(flat, ahead + offset)
+        start = row_starts[i]
+        put_key_row(target, i, flat[start : start + dim])
+
+
+@numba.njit(cache=True, nogil=True)
+def dots_of_gathered_rows(dots, q_t, flat, row_starts, n, dim, lanes, scratch):
+    """``dots[i, l] = key_i . q_t[:, l]`` for ``i < n``, ``l < lanes``, ``key_i`` the ``dim`` elements of the
+    1-d ``flat`` from ``row_starts[i]`` (e.g. selected tokens anywhere in a paged cache); may write up
+    to ``KEYS_PER_TILE - 1`` more rows of ``dots``.
+
+    ``row_starts`` int64 with ``>= n + 2*KEYS_PER_TILE`` entries, every one
+    a whole key (pad with, e.g., the last start). Keys the tile reads in
+    place (float32, even-``dim`` bf16) are read where they lie, each tile
+    prefetching the next tile's keys; others are converted ``KEYS_PER_TASK``
+    at a time into ``scratch`` (:func:`new_scratch`).
+    """
+    if _dots_in_place(dots, q_t, flat, row_starts, n, dim, lanes):
+        return
+    for n0 in range(0, n, KEYS_PER_TASK):
+        chunk = min(KEYS_PER_TASK, n - n0)
+        gather_rows(scratch, flat, row_starts[n0:], chunk, dim)
+        scratch[chunk : chunk + KEYS_PER_TILE] = 0
+        tile_dots(dots[n0:], q_t, scratch, lanes, chunk)
 
 
 def new_value_scratch(values, dim, channels):
