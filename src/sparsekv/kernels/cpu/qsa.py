@@ -209,8 +209,9 @@ def qsa_compress_keys_paged(block_keys, gamma, freqs_cis, key_counts, blocks, lo
     """Same contract as :func:`sparsekv.kernels.reference.qsa.qsa_compress_keys_paged`."""
     batch = key_counts.shape[0]
     max_blocks = block_keys.shape[0] // batch
-    num_blocks = torch.clamp(key_counts.to(torch.int64) // ratio, min=0, max=max_blocks)
-    b, t = _first_missing_page(lookup_table.numpy(), blocks.shape[0], blocks.shape[3], (num_blocks * ratio).numpy())
+    # host math in numpy: a torch op costs several microseconds each, this whole wrapper ~10
+    num_blocks = np.clip(key_counts.numpy().astype(np.int64) // ratio, 0, max_blocks)
+    b, t = _first_missing_page(lookup_table.numpy(), blocks.shape[0], blocks.shape[3], num_blocks * ratio)
     if b >= 0:
         raise ValueError(f"paged cache: sequence {b}, position {t}: "
                          f"{_page_problem(lookup_table, blocks.shape[0], blocks.shape[3], b, t)}")
@@ -227,7 +228,7 @@ def qsa_compress_keys_paged(block_keys, gamma, freqs_cis, key_counts, blocks, lo
     keys, page_stride, base = _flat_plane(blocks, 0, layer)
     with threads_for(block_keys.numel() * ratio):
         _compress_kernel(as_numba(out), keys, page_stride, base, blocks.shape[3], lookup_table.numpy(),
-                         num_blocks.to(torch.int32).numpy(), gamma.float().contiguous().numpy(), freqs.numpy(),
+                         num_blocks.astype(np.int32), gamma.float().contiguous().numpy(), freqs.numpy(),
                          ratio, float(eps))
     if out is not block_keys:
         block_keys.copy_(out)
