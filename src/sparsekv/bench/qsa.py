@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache.layout import SENTINEL, PagedKVCacheCollection
+from ..cache.memory import allocate_pages
 from ..numerics import rope_freqs_cis
 from ..ops.qsa import qsa_block_score, qsa_compress_keys_paged, qsa_select_tokens, qsa_sparse_attention_paged
 from .common import BenchRow, copy_peer, time_interleaved
@@ -53,11 +54,14 @@ def backend(name: str):
 
 def _paged(batch: int, tokens: int, planes: int, heads: int, dim: int, dtype: torch.dtype,
            generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random pages for ``tokens`` per sequence, scattered through a pool with spare pages."""
+    """Random pages for ``tokens`` per sequence, scattered through a pool with spare pages (allocated as
+    the cache manager allocates them: :func:`sparsekv.cache.allocate_pages`)."""
     pages_per_seq = -(-tokens // PAGE_SIZE)
     used = batch * pages_per_seq
     num_pages = used + used // 8 + 1
-    blocks = torch.randn(num_pages, planes, 1, PAGE_SIZE, heads, dim, generator=generator).to(dtype)
+    shape = (num_pages, planes, 1, PAGE_SIZE, heads, dim)
+    blocks = allocate_pages(shape, dtype, "cpu")  # as the cache manager allocates its pages
+    blocks.copy_(torch.randn(shape, generator=generator))
     table = torch.randperm(num_pages, generator=generator)[:used].reshape(batch, pages_per_seq)
     table = torch.cat([table, torch.full((batch, 1), SENTINEL)], dim=1).to(torch.int32)
     return blocks, table

@@ -16,6 +16,7 @@ from .manager import (
     GroupUsage,
     PagedKVCacheManager,
 )
+from .memory import allocate_pages
 from .page_pool import InsufficientPagesError, PagePool, PageRecord
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "PagedKVCache",
     "PagedKVCacheCollection",
     "PagedKVCacheManager",
+    "allocate_pages",
     "page_hash",
     "prefix_page_hashes",
     "ragged_rows",

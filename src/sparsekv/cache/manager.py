@@ -49,6 +49,7 @@ from .._checks import check_int
 from .groups import BatchInputs, CacheGroupSpec, CacheMetrics, GroupUsage
 from .hashing import encode_namespace, page_hash_encoded, token_bytes
 from .layout import SENTINEL
+from .memory import allocate_pages
 from .page_pool import InsufficientPagesError, PagePool, PageRecord
 
 
@@ -93,7 +94,8 @@ class PagedKVCacheManager:
         device: where the blocks and the batch index tensors live.
         enable_prefix_caching: hash full pages and reuse them across requests.
 
-    Every group's blocks start as zeros. Misuse (unknown or duplicate request
+    Every group's blocks start as zeros (on Linux CPUs in 2 MiB pages where
+    the kernel allows: :func:`.memory.allocate_pages`). Misuse (unknown or duplicate request
     ids, negative counts, committing unallocated tokens) raises ``ValueError``;
     running out of pages raises :class:`InsufficientPagesError` and changes nothing.
     """
@@ -138,8 +140,8 @@ class PagedKVCacheManager:
         self.device = torch.device(device)
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self._blocks = {
-            spec.name: torch.zeros((num_pages, spec.kv_planes, spec.num_layers, spec.entries_per_page(page_size),
-                                    spec.num_heads, spec.head_size), dtype=spec.dtype, device=self.device)
+            spec.name: allocate_pages((num_pages, spec.kv_planes, spec.num_layers, spec.entries_per_page(page_size),
+                                       spec.num_heads, spec.head_size), spec.dtype, self.device)
             for spec in groups
         }
         self._specs = {spec.name: spec for spec in groups}
