@@ -279,13 +279,17 @@ def _block_score_kernel(scores, q, keys, offsets, positions, ratio, max_blocks, 
             dots_of_rows(dots, q_t[group_starts[b] + (r0 - first_row) // group_rows], rows, lanes, scratch)
             for r in range(r0, r1):
                 lane0 = (r - r0) * heads
-                score_row = scores[r]
-                for i in range(min(chunk, visible[r] - g0)):
-                    key_dots = dots[i, lane0 : lane0 + heads]
-                    total = np.float32(0.0)
-                    for h in range(heads):
-                        total += max(key_dots[h], np.float32(0.0))
-                    score_row[g0 + i] = total / np.float32(scale)
+                seen = max(0, min(chunk, visible[r] - g0))
+                totals = scores[r, g0 : g0 + seen]
+                totals[:] = 0.0
+                # heads outer, keys inner: each key's sum still runs h = 0 .. H-1, but the
+                # loops are long and branch-free (one short loop per key was 35% of the call)
+                for h in range(heads):
+                    for i in range(seen):
+                        x = dots[i, lane0 + h]
+                        totals[i] += x if not x <= np.float32(0.0) else np.float32(0.0)  # relu; NaN stays
+                for i in range(seen):
+                    totals[i] = totals[i] / np.float32(scale)
 
 
 def qsa_block_score(scores, q, block_keys, query_positions, input_row_offsets, ratio, score_scale):
