@@ -15,7 +15,8 @@ import torch
 from sparsekv.kernels.cpu._bits import as_numba
 from sparsekv.kernels.cpu._dot_tile import (KEYS_PER_TASK, KEYS_PER_TILE, VECTOR, WEIGHTED_CHANNELS, WEIGHTED_HEADS,
                                             _target_has_bf16_dot, dots_of_gathered_rows, dots_of_rows,
-                                            gather_rows, tile_dots, weighted_relu_sum, weighted_rows)
+                                            gather_rows, tile_dots, transpose_dots, weighted_relu_sum,
+                                            weighted_rows)
 
 
 def _bf16_bits(x: np.ndarray) -> np.ndarray:
@@ -221,3 +222,14 @@ def test_weighted_relu_sum_follows_the_documented_order_bit_for_bit(heads):
     if heads:
         values[heads // 2] = np.nan
         assert np.isnan(_relu_sum(values, weights))
+
+
+@pytest.mark.parametrize("keys, lanes", [(1, 16), (13, 32), (128, 48)])
+def test_transpose_dots_moves_every_rounded_key_and_nothing_else(keys, lanes):
+    rng = np.random.default_rng(keys + lanes)
+    rounded = -(-keys // KEYS_PER_TILE) * KEYS_PER_TILE
+    dots = rng.standard_normal((rounded + KEYS_PER_TILE, lanes + VECTOR)).astype(np.float32)
+    dots_t = np.full((lanes + VECTOR, rounded + KEYS_PER_TILE), np.nan, np.float32)
+    transpose_dots(dots, dots_t, keys, lanes)
+    assert np.array_equal(dots_t[:lanes, :rounded], dots[:rounded, :lanes].T)
+    assert np.isnan(dots_t[lanes:]).all() and np.isnan(dots_t[:, rounded:]).all()

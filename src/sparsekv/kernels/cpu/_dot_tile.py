@@ -373,6 +373,65 @@ def weighted_rows(acc, weights, rows, heads, num_rows):
                 _weighted_rows_8(acc, weights, rows, head0, chan0, num_rows)
 
 
+def _shuffle_indices(step: int, half: int) -> list[int]:
+    """Shuffle indices of one stage of the 8 x 16 transpose: interleave ``step``-element groups of two
+    vectors, from their low (``half`` 0) or high (1) eight elements' worth of groups."""
+    groups = VECTOR // (2 * step)  # groups taken from each input
+    first = half * groups
+    return [offset + step * g + e for g in range(first, first + groups) for offset in (0, VECTOR)
+            for e in range(step)]
+
+
+@intrinsic
+def _transpose_block(typingctx, dots, dots_t, key0, lane0):
+    """``dots_t[lane0 + j, key0 + k] = dots[key0 + k, lane0 + j]`` for ``k < 8``, ``j < 16``: eight vector
+    loads, three shuffle stages (pairs, quads, octets of keys) and sixteen 8-float stores. float32 2-d C
+    arrays; the caller keeps every index in bounds."""
+    if not (_is_c_matrix(dots, types.float32) and _is_c_matrix(dots_t, types.float32)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        dots_arr, t_arr = (context.make_array(t)(context, builder, a) for t, a in zip(sig.args[:2], args[:2]))
+        key0, lane0 = args[2], args[3]
+        index = ir.IntType(64)
+        vector = ir.VectorType(ir.FloatType(), VECTOR)
+        octet = ir.VectorType(ir.FloatType(), KEYS_PER_TILE)
+        dots_cols = builder.extract_value(dots_arr.shape, 1)
+        t_cols = builder.extract_value(t_arr.shape, 1)
+
+        def shuffle(a, b, indices):
+            return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(ir.IntType(32), len(indices)), indices))
+
+        rows = [builder.load(_vector_at(builder, dots_arr.data, builder.add(
+            builder.mul(builder.add(key0, ir.Constant(index, k)), dots_cols), lane0), vector), align=4)
+            for k in range(KEYS_PER_TILE)]
+        for half in range(2):  # lanes 0-7, 8-15
+            pairs = [shuffle(rows[2 * p], rows[2 * p + 1], _shuffle_indices(1, half)) for p in range(4)]
+            for quarter in range(2):  # lanes 0-3, 4-7 of the half
+                quads = [shuffle(pairs[2 * q], pairs[2 * q + 1], _shuffle_indices(2, quarter)) for q in range(2)]
+                for eighth in range(2):  # two lanes each: every key of the lane, in order
+                    both = shuffle(quads[0], quads[1], _shuffle_indices(4, eighth))
+                    for second in range(2):
+                        lane = half * 8 + quarter * 4 + eighth * 2 + second
+                        keys = shuffle(both, both, list(range(8 * second, 8 * second + 8)))
+                        start = builder.add(builder.mul(builder.add(lane0, ir.Constant(index, lane)), t_cols), key0)
+                        builder.store(keys, _vector_at(builder, t_arr.data, start, octet), align=4)
+        return context.get_dummy_value()
+
+    return types.void(dots, dots_t, types.intp, types.intp), codegen
+
+
+@numba.njit(cache=True, nogil=True)
+def transpose_dots(dots, dots_t, num_keys, lanes):
+    """``dots_t[l, i] = dots[i, l]`` for ``l < lanes``, ``i < num_keys`` rounded up to ``KEYS_PER_TILE``:
+    a score epilogue then runs over each lane's keys contiguously (vectorised) instead of with a stride.
+    ``dots [>= rounded keys, >= lanes]``, ``dots_t [>= lanes, >= rounded keys]``, float32, C-contiguous;
+    ``lanes`` a multiple of ``VECTOR``."""
+    for key0 in range(0, num_keys, KEYS_PER_TILE):
+        for lane0 in range(0, lanes, VECTOR):
+            _transpose_block(dots, dots_t, key0, lane0)
+
+
 @numba.njit(cache=True, nogil=True)
 def tile_dots(dots, q_t, keys, lanes, num_keys, row_starts=None):
     """``dots[i, l] = key_i . q_t[:, l]`` for ``l < lanes``, ``i < num_keys`` rounded up to ``KEYS_PER_TILE``.
