@@ -15,8 +15,7 @@ import torch
 from sparsekv.kernels.cpu._bits import as_numba
 from sparsekv.kernels.cpu._dot_tile import (KEYS_PER_TASK, KEYS_PER_TILE, VECTOR, WEIGHTED_CHANNELS, WEIGHTED_HEADS,
                                             _target_has_bf16_dot, dots_of_gathered_rows, dots_of_rows,
-                                            gather_rows, tile_dots, transpose_dots, weighted_relu_sum,
-                                            weighted_rows)
+                                            gather_rows, tile_dots, transpose_dots, weighted_rows)
 
 
 def _bf16_bits(x: np.ndarray) -> np.ndarray:
@@ -198,30 +197,6 @@ def test_weighted_rows_sums_the_rows_in_order_per_head(heads, rows, bf16_values)
     weighted_rows(acc, weights, values, heads, rows)
     np.testing.assert_allclose(acc[:computed], want[:computed], rtol=2e-7, atol=1e-30)
     assert np.array_equal(acc[computed:], before[computed:]), "touched rows past the heads' tiles"
-
-
-@numba.njit
-def _relu_sum(values, weights):
-    return weighted_relu_sum(values, weights)
-
-
-@pytest.mark.parametrize("heads", [0, 1, 5, 16, 17, 32, 33, 64])
-def test_weighted_relu_sum_follows_the_documented_order_bit_for_bit(heads):
-    """Heads into 16 lanes in order (multiply, then add), then the tree 8+8, 4+4, 2+2, 1+1; NaN stays."""
-    rng = np.random.default_rng(heads)
-    values = rng.standard_normal(heads).astype(np.float32)
-    weights = rng.standard_normal(heads).astype(np.float32)
-    lanes = np.zeros(VECTOR, np.float32)
-    for h in range(heads):
-        lanes[h % VECTOR] += weights[h] * max(values[h], np.float32(0.0))
-    width = VECTOR
-    while width > 1:
-        width //= 2
-        lanes = lanes[:width] + lanes[width : 2 * width]
-    assert np.float32(_relu_sum(values, weights)).view(np.int32) == lanes[0].view(np.int32)
-    if heads:
-        values[heads // 2] = np.nan
-        assert np.isnan(_relu_sum(values, weights))
 
 
 @pytest.mark.parametrize("keys, lanes", [(1, 16), (13, 32), (128, 48)])

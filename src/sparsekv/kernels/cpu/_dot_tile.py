@@ -542,63 +542,6 @@ def dots_of_rows(dots, q_t, rows, lanes, scratch):
 
 
 @intrinsic
-def weighted_relu_sum(typingctx, values, weights):
-    """``sum_h weights[h] * relu(values[h])`` (float32, ``relu`` keeps NaN) over 1-d C-contiguous float32
-    ``values``, ``weights`` of the same length ``H``, in an order fixed by ``H`` alone: lane ``h %
-    VECTOR`` of a vector accumulator adds ``weights[h] * relu(values[h])`` for ``h`` in order (one
-    multiply, one add; the last partial vector through masked loads, its missing lanes adding zero),
-    then the lanes sum as a tree (lanes 0-7 + 8-15, 0-3 + 4-7, 0-1 + 2-3, 0 + 1)."""
-    if not all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" and a.dtype == types.float32
-               for a in (values, weights)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        values_arr, weights_arr = (context.make_array(t)(context, builder, a) for t, a in zip(sig.args, args))
-        index = ir.IntType(64)
-        vector = ir.VectorType(ir.FloatType(), VECTOR)
-        mask_type = ir.VectorType(ir.IntType(1), VECTOR)
-        masked_load = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(vector, [vector.as_pointer(), ir.IntType(32), mask_type, vector]),
-            "llvm.masked.load.v16f32.p0")
-        heads = builder.extract_value(values_arr.shape, 0)
-        zero = ir.Constant(vector, [0.0] * VECTOR)
-        lane_ids = ir.Constant(ir.VectorType(index, VECTOR), list(range(VECTOR)))
-
-        def term(h0, acc, count):  # acc + weights[h0:] * relu(values[h0:]) over the first `count` lanes
-            mask = builder.icmp_signed("<", lane_ids, _splat(builder, count, ir.VectorType(index, VECTOR)))
-            loaded = [builder.call(masked_load, [_vector_at(builder, arr.data, h0, vector), ir.Constant(ir.IntType(32), 4),
-                                                 mask, zero]) for arr in (values_arr, weights_arr)]
-            value, weight = loaded
-            relu = builder.select(builder.fcmp_unordered(">", value, zero), value, zero)  # NaN stays NaN
-            return builder.fadd(acc, builder.fmul(weight, relu))
-
-        entry, loop, done = _enter_loop(builder, "relu_sum_vectors")
-        h0 = builder.phi(index)
-        acc = builder.phi(vector)
-        h0.add_incoming(ir.Constant(index, 0), entry)
-        acc.add_incoming(zero, entry)
-        remaining = builder.sub(heads, h0)
-        updated = term(h0, acc, remaining)  # a full vector, or the masked last one
-        next_h0 = builder.add(h0, ir.Constant(index, VECTOR))
-        h0.add_incoming(next_h0, loop)
-        acc.add_incoming(updated, loop)
-        builder.cbranch(builder.icmp_signed("<", next_h0, heads), loop, done)
-        builder.position_at_end(done)
-        total = updated  # H = 0: one pass with no lane loaded, so zero
-        width = VECTOR
-        while width > 1:
-            width //= 2
-            low = builder.shuffle_vector(total, total, ir.Constant(ir.VectorType(ir.IntType(32), width),
-                                                                   list(range(width))))
-            high = builder.shuffle_vector(total, total, ir.Constant(ir.VectorType(ir.IntType(32), width),
-                                                                    list(range(width, 2 * width))))
-            total = builder.fadd(low, high)
-        return builder.extract_element(total, ir.Constant(ir.IntType(32), 0))
-
-    return types.float32(values, weights), codegen
-
-
-@intrinsic
 def _prefetch(typingctx, array, index):
     """Ask for the cache line of ``array[index]`` (into every cache level); never faults."""
     if not (isinstance(array, types.Array) and isinstance(index, types.Integer)):

@@ -34,11 +34,11 @@ What each kernel is made of, and why (measured with ``benchmarks/bench_kpool.py`
   (bf16 as bits, no copy), by each group of the sequence's rows in register
   tiles (:mod:`._dot_tile`: every dot product the same chain in a fixed
   channel order; bf16 pairs through ``VDPBF16PS``), then relu and the
-  head-weighted sum in an order fixed by ``H`` (heads into 16 lanes, then a
-  tree: vectorised, 0.06 -> 0.01 ms at B=4, t=8191, 32 heads, where one
-  chain per pool in head order was 12% of the call). So a row's scores do
-  not depend on the rows that share the call (BLAS does not promise that),
-  and nothing is gathered into a copy first.
+  head-weighted sum in head order, run over each head's pools contiguously
+  (the tile's dots transposed first: 0.056 -> 0.02 ms at B=4, t=8191, 32
+  heads, where one chain per pool over strided dots was 12% of the call).
+  So a row's scores do not depend on the rows that share the call (BLAS
+  does not promise that), and nothing is gathered into a copy first.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from ...cache.layout import resolve_pages
 from ..reference.kpool import mla_kpool_seed_tail as mla_kpool_seed_tail  # scatter of whole rows: memory-bound
 from ._bits import as_numba, narrow, widen
 from ._dot_tile import (KEYS_PER_TASK, KEYS_PER_TILE, VECTOR, dots_of_rows, new_scratch, plan_score_tasks,
-                        weighted_relu_sum)
+                        transpose_dots)
 from ._math import exp_f32
 from ._parallel import numba_threads, threads_for
 from .qsa import _first_missing_page  # the same page check: tokens there, pools here
@@ -282,7 +282,7 @@ def _score_kernel(scores, q, head_weights, cache, page_stride, base, per_page, t
     Task = (sequence, chunk of its pools): each group of the sequence's rows
     runs over the chunk's pooled keys page by page, read in place through the
     page table (:func:`._dot_tile.dots_of_rows`); a row's score is
-    ``sum_h w_h * relu(dot_h)`` in the order of :func:`._dot_tile.weighted_relu_sum`. ``q_t[group]``
+    ``sum_h w_h * relu(dot_h)`` summed in head order. ``q_t[group]``
     holds a row group's queries transposed, ``[D, lanes]``, zero padding lanes.
     """
     total_q, heads, dim = q.shape
@@ -296,6 +296,7 @@ def _score_kernel(scores, q, head_weights, cache, page_stride, base, per_page, t
         chunk = min(KEYS_PER_TASK, num_keys[b] - p0)
         scratch = new_scratch(cache, dim)
         dots = np.empty((KEYS_PER_TASK + KEYS_PER_TILE, group_lanes), np.float32)
+        lane_dots = np.empty((group_lanes, KEYS_PER_TASK + KEYS_PER_TILE), np.float32)
         for r0 in range(first_row, end_row, group_rows):
             r1 = min(r0 + group_rows, end_row)
             lanes = ((r1 - r0) * heads + VECTOR - 1) // VECTOR * VECTOR
@@ -309,11 +310,18 @@ def _score_kernel(scores, q, head_weights, cache, page_stride, base, per_page, t
                 dots_of_rows(dots[column:], group_q, cache[start : start + run * dim].reshape((run, dim)), lanes,
                              scratch)
                 column += run
+            transpose_dots(dots, lane_dots, chunk, lanes)  # each lane's pools contiguous: vectorised below
             for r in range(r0, r1):
                 lane0 = (r - r0) * heads
-                score_row, weights = scores[r], head_weights[r]
-                for i in range(max(0, min(chunk, visible[r] - p0))):
-                    score_row[p0 + i] = weighted_relu_sum(dots[i, lane0 : lane0 + heads], weights)
+                seen = max(0, min(chunk, visible[r] - p0))
+                totals = scores[r, p0 : p0 + seen]
+                totals[:] = 0.0
+                for h in range(heads):  # every pool's sum runs h = 0 .. H-1
+                    weight = head_weights[r, h]
+                    pool_dots = lane_dots[lane0 + h, :seen]
+                    for i in range(seen):
+                        x = pool_dots[i]
+                        totals[i] += weight * (x if not x <= np.float32(0.0) else np.float32(0.0))  # NaN stays
 
 
 def mla_kpool_score(scores, q, head_weights, pooled_blocks, lookup_table, query_positions, input_row_offsets,
