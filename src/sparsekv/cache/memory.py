@@ -18,7 +18,6 @@ Example::
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import sys
 
@@ -34,10 +33,9 @@ def _libc_madvise():
     if not sys.platform.startswith("linux"):
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    except OSError:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise  # the process's own symbols: libc is loaded
+    except (OSError, AttributeError):
         return None
-    madvise = libc.madvise
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     madvise.restype = ctypes.c_int
     return madvise
