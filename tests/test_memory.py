@@ -40,7 +40,7 @@ def test_the_hint_is_taken_where_the_kernel_offers_huge_pages():
     assert not advise_huge_pages(torch.empty(HUGE_PAGE_BYTES // 2, dtype=torch.uint8)[:16])  # no whole huge page
 
 
-def test_the_manager_allocates_zeroed_blocks_through_it():
+def test_the_manager_blocks_start_as_zeros_of_the_group_shape():
     spec = CacheGroupSpec("main", num_layers=1, kv_planes=2, num_heads=2, head_size=256, dtype=torch.bfloat16)
     manager = PagedKVCacheManager([spec], page_size=128, num_pages=64)
     blocks = manager.blocks("main")
