@@ -32,10 +32,15 @@ from the dtypes.
 :func:`dots_of_rows` runs the tiles on keys read in place (a page's
 consecutive pooled keys, a sequence's block keys): whole tiles straight from
 memory, the last ``n % 8`` keys from a zero-padded copy, and each tile
-prefetches the next tile's keys. :func:`weighted_rows` is the other half of
-attention, ``acc[h] += sum_n p[n, h] * v[n]``: tiles of 8 (or 4) heads x 32
-channels, rows in order, one fused multiply-add each, bf16 values widened in
-registers.
+prefetches the next tile's keys. :func:`dots_of_gathered_rows` does the same
+for keys anywhere (attention's selected tokens): the tile reads each key
+from its own start (``row_starts``), and :func:`gather_rows` copies rows
+with a prefetch ahead where a copy is needed. :func:`transpose_dots` turns
+``dots [keys, lanes]`` into ``[lanes, keys]`` (an 8 x 16 shuffle network per
+block) so that the score epilogues run over each lane's keys contiguously.
+:func:`weighted_rows` is the other half of attention, ``acc[h] += sum_n p[n,
+h] * v[n]``: tiles of 8 (or 4) heads x 32 channels, rows in order, one fused
+multiply-add each, bf16 values widened in registers.
 
 Example: ``q_t`` ``[128, 16]`` (4 rows x 4 heads), ``keys`` ``[128, 128]``:
 ``tile_dots(dots, q_t, keys, 16, 100)`` runs 13 tiles and writes

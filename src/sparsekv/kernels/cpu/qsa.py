@@ -57,7 +57,7 @@ from numba import prange
 from ._bits import as_numba, narrow, widen
 from ._dot_tile import (KEYS_PER_TASK, KEYS_PER_TILE, VECTOR, WEIGHTED_CHANNELS, dots_of_gathered_rows,
                         dots_of_rows, gather_rows, new_query_tiles, new_scratch, new_value_scratch, plan_score_tasks,
-                        put_key_row, put_query, transpose_dots, weighted_rows)
+                        put_query, transpose_dots, weighted_rows)
 from ._math import exp_f32
 from ._parallel import PARALLEL_JIT, threads_for
 
