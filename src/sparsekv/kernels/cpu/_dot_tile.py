@@ -137,7 +137,7 @@ def _make_tile(lane_vectors: int):
             return None
         gathered = isinstance(row_starts, types.Array)
         if gathered and not (row_starts.ndim == 1 and row_starts.dtype == types.int64
-                             and isinstance(keys, types.Array) and keys.ndim == 1 and keys.layout in "CA"):
+                             and isinstance(keys, types.Array) and keys.ndim == 1 and keys.layout == "C"):
             return None
         if not gathered and not (isinstance(row_starts, (types.NoneType, types.Omitted)) and isinstance(keys, types.Array)
                                  and keys.ndim == 2 and keys.layout == "C"):
