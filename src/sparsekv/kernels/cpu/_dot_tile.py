@@ -103,18 +103,6 @@ def _splat(builder, value, kind):
                                   ir.Constant(ir.VectorType(ir.IntType(32), VECTOR), [0] * VECTOR))
 
 
-def _enter_loop(builder, name):
-    """Blocks ``(entry, loop, done)`` of a loop that runs at least once: branches from the current block
-    into a new block ``name`` and positions ``builder`` there; the caller closes it with a branch to
-    ``loop`` or ``done``."""
-    entry = builder.block
-    loop = builder.append_basic_block(name)
-    done = builder.append_basic_block(name + "_done")
-    builder.branch(loop)
-    builder.position_at_end(loop)
-    return entry, loop, done
-
-
 def _make_tile(lane_vectors: int):
     """An intrinsic ``tile(dots, q_t, keys, lane0, key0, row_starts)`` for ``lane_vectors * VECTOR`` lanes x
     ``KEYS_PER_TILE`` keys.
@@ -216,7 +204,11 @@ def _make_tile(lane_vectors: int):
                     return builder.call(fma, [q_vec, splat(key_value, vector), acc])
 
             key_rows = [key_row(builder.add(key0, constant(k))) for k in range(KEYS_PER_TILE)]
-            entry, loop, done = _enter_loop(builder, "tile_channels")
+            entry = builder.block
+            loop = builder.append_basic_block("tile_channels")
+            done = builder.append_basic_block("tile_done")
+            builder.branch(loop)
+            builder.position_at_end(loop)
             channel = builder.phi(index)
             channel.add_incoming(constant(0), entry)
             accumulators = [[builder.phi(vector) for _ in range(lane_vectors)] for _ in range(KEYS_PER_TILE)]
