@@ -8,7 +8,7 @@ the first touch, then zeroes it (which faults the memory in as huge pages).
 It is a hint: where THP is off (``/sys/kernel/mm/transparent_hugepage/enabled``
 set to ``never``), on other systems and on GPUs this is ``torch.zeros``.
 Measured: QSA sparse attention decode over a 268 MB cache (B=4, 32k tokens,
-budget 2048, bf16) 7-10% faster.
+budget 2048, bf16) 5-10% faster (three timings of the same process pair).
 
 Example::
 
