@@ -178,10 +178,10 @@ def test_gathered_rows_equal_the_tile_over_a_gathered_copy(dtype, dim, n):
 
 
 @pytest.mark.parametrize("bf16_values", [False, True], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("heads, rows", [(3, 0), (8, 1), (12, 37)])
+@pytest.mark.parametrize("heads, rows", [(3, 0), (8, 1), (12, 37), (13, 9), (20, 5)])
 def test_weighted_rows_sums_the_rows_in_order_per_head(heads, rows, bf16_values):
     rng = np.random.default_rng(heads * 100 + rows)
-    computed = -(-heads // 4) * 4  # heads run in tiles of 8, the last one of 4 when 4 are enough
+    computed = -(-heads // 4) * 4  # heads run in tiles of 12, 8 or 4: never more than 3 padding heads
     head_rows, channels = -(-heads // WEIGHTED_HEADS) * WEIGHTED_HEADS, 2 * WEIGHTED_CHANNELS
     acc = rng.standard_normal((head_rows + 2, channels)).astype(np.float32)
     weights = rng.random((rows + 1, head_rows)).astype(np.float32)
