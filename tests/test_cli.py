@@ -174,3 +174,12 @@ def test_bench_quick_cache(capsys, tmp_path):
 def test_bench_unknown_family(capsys):
     assert cli.main(["bench", "--only", "qsa,nope"]) == 2
     assert "nope" in capsys.readouterr().err
+
+
+def test_bench_quick_kpool_reports_the_peak_peer_for_score(capsys, tmp_path):
+    out_json = tmp_path / "bench.json"
+    assert cli.main(["bench", "--quick", "--only", "kpool", "--json", str(out_json)]) == 0
+    assert "xpeak" in capsys.readouterr().out.splitlines()[0].split()
+    rows = {row["op"]: row for row in json.loads(out_json.read_text())}
+    assert rows["mla_kpool_score"]["peers_ms"]["peak"] > 0  # the tile's multiply-adds were timed
+    assert "peak" not in rows["mla_kpool_compress"]["peers_ms"]  # a memory-bound op has no such peer

@@ -3,7 +3,9 @@
 Shapes: ``D = 128``, ``kpool = 4``, 32 index heads, ``topk = 2048``; ``B = 4``
 requests of 8192 and 32768 tokens; bf16 and fp32. Peers measured in the same
 run: the reference kernel (``xreference``: how many times faster the fast path
-is) and a torch copy of the same bytes (``xcopy``: our GB/s over the copy's).
+is), a torch copy of the same bytes (``xcopy``: our GB/s over the copy's) and,
+for score, the same multiply-adds at the register tile's peak (``xpeak``: the
+fraction of the peak reached, :mod:`.peak`).
 
 * compress: one prefill call per request (cache empty), mode softmax, through
   the public op. Bytes: ``k`` and ``gate`` read once, pooled keys written.
@@ -21,6 +23,7 @@ from ..cache.pooled import make_pooled_collection
 from ..kernels.reference import kpool as reference
 from ..ops.kpool import kpool_pool_row_offsets, mla_kpool_compress, mla_kpool_score
 from .common import BenchRow, copy_peer, time_interleaved
+from .peak import tile_peak_peer
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 HEAD_DIM, KPOOL, INDEX_HEADS, TOPK, PAGE_SIZE = 128, 4, 32, 2048, 64
@@ -81,7 +84,8 @@ def _score_row(batch: int, tokens: int, dtype: torch.dtype, rounds: int) -> Benc
         "ours": lambda: mla_kpool_score(q, weights, cache, 0, positions, offsets, kpool=KPOOL, out=out),
         "reference": lambda: reference.mla_kpool_score(ref_out, q, weights, blocks, cache.lookup_table, positions,
                                                        offsets, KPOOL, 0),
-        "copy": copy_peer(nbytes)}, rounds=rounds)
+        "copy": copy_peer(nbytes),
+        "peak": tile_peak_peer({dtype: batch * pools * INDEX_HEADS * HEAD_DIM})}, rounds=rounds)
     ours = times.pop("ours")
     err = float(((out - ref_out).abs().max() / ref_out.abs().max().clamp_min(1e-30)))
     return BenchRow("mla_kpool_score", f"B={batch} decode t={tokens - 1} H={INDEX_HEADS} D={HEAD_DIM}",

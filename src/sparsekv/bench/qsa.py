@@ -8,8 +8,10 @@ partial block), as ``benchmarks/max_peer.py`` builds them. Main attention:
 Every row times the public op (``SPARSEKV_BACKEND=auto``: the CPU path) and,
 in the same run, its peers: the reference backend (``reference``), a torch
 copy of the same number of bytes (``copy``), dense SDPA over the whole history
-for sparse attention (``sdpa``) and, when a Python with Modular MAX is given,
-MAX's own CPU kernel (``max``, via ``benchmarks/max_peer.py``).
+for sparse attention (``sdpa``), for block score and sparse attention the same
+multiply-adds at the register tile's peak (``peak``, :mod:`.peak`; its column
+is the fraction of the peak reached) and, when a Python with Modular MAX is
+given, MAX's own CPU kernel (``max``, via ``benchmarks/max_peer.py``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from ..cache.memory import allocate_pages
 from ..numerics import rope_freqs_cis
 from ..ops.qsa import qsa_block_score, qsa_compress_keys_paged, qsa_select_tokens, qsa_sparse_attention_paged
 from .common import BenchRow, copy_peer, time_interleaved
+from .peak import tile_peak_peer
 
 HEAD_DIM, RATIO, ROTARY_DIM, PAGE_SIZE, THETA, EPS = 128, 4, 64, 128, 1e7, 1e-6
 INDEX_HEADS, ROWS_PER_SEQUENCE, BUDGET = 4, 4, 2048
@@ -148,7 +151,9 @@ def bench_block_score(batch: int, keys: int, rows_per_seq: int, dtype: torch.dty
 
     visible = min(keys // RATIO, max_blocks)
     nbytes = q.numel() * q.element_size() + batch * visible * HEAD_DIM * block_keys.element_size() + out.numel() * 4
-    ours, peers = _time_with_peers(call, copy=copy_peer(nbytes))
+    seen = ((positions.long() + 1) // RATIO).clamp(0, max_blocks)  # blocks each row scores
+    peak = tile_peak_peer({dtype: int(seen.sum()) * INDEX_HEADS * HEAD_DIM})
+    ours, peers = _time_with_peers(call, copy=copy_peer(nbytes), peak=peak)
     if rows_per_seq == ROWS_PER_SEQUENCE:  # the shape max_peer.py runs
         max_ms = max_peer_ms(max_python, "block_score", batch, keys, dtype, threads)
         if max_ms is not None:
@@ -202,7 +207,10 @@ def bench_sparse_attention(batch: int, cached: int, dtype: torch.dtype) -> Bench
 
     size = blocks.element_size()
     nbytes = int(counts.sum()) * KV_HEADS * MAIN_HEAD_DIM * 2 * size + 2 * q.numel() * size
-    ours, peers = _time_with_peers(call, sdpa=dense, copy=copy_peer(nbytes))
+    products = int(counts.sum()) * Q_HEADS * MAIN_HEAD_DIM  # for Q.K, and as many for P.V (float32)
+    peak = tile_peak_peer({dtype: products, torch.float32: products} if dtype == torch.bfloat16
+                          else {torch.float32: 2 * products})
+    ours, peers = _time_with_peers(call, sdpa=dense, copy=copy_peer(nbytes), peak=peak)
     return BenchRow("qsa_sparse_attention_paged",
                     f"decode B={batch} cached={cached} budget={BUDGET} q24/kv2 D=256", _DTYPE_NAMES[dtype], "cpu",
                     ours, nbytes, peers)
