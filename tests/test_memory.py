@@ -45,3 +45,8 @@ def test_the_manager_blocks_start_as_zeros_of_the_group_shape():
     manager = PagedKVCacheManager([spec], page_size=128, num_pages=64)
     blocks = manager.blocks("main")
     assert blocks.shape == (64, 2, 1, 128, 2, 256) and not blocks.any()
+
+
+def test_the_hint_refuses_memory_that_is_not_one_span():
+    with pytest.raises(ValueError, match="contiguous CPU tensor"):
+        advise_huge_pages(torch.zeros(64, 64)[:, ::2])

@@ -43,7 +43,11 @@ def _libc_madvise():
 
 def advise_huge_pages(tensor: torch.Tensor) -> bool:
     """``madvise(MADV_HUGEPAGE)`` over the whole 2 MiB pages inside a CPU ``tensor``'s memory; whether the
-    kernel took the hint (memory touched before keeps its 4 KiB pages until the kernel merges them)."""
+    kernel took the hint (memory touched before keeps its 4 KiB pages until the kernel merges them).
+    ``ValueError`` for a tensor that is not a contiguous CPU tensor (its memory is not one span)."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise ValueError(f"tensor: expected a contiguous CPU tensor, got one on {tensor.device} "
+                         f"with strides {tensor.stride()}")
     madvise = _libc_madvise()
     start = tensor.data_ptr()
     end = start + tensor.numel() * tensor.element_size()
