@@ -25,7 +25,7 @@ import torch
 
 from ..kernels.cpu._dot_tile import KEYS_PER_TASK, tile_dots
 
-_LANES = 32  # the two-vector tile: the faster of the two on every machine measured
+_LANES = 16  # one vector of lanes, as the score kernels' tile
 _CHANNELS = 128
 
 
@@ -43,7 +43,7 @@ def _operands(dtype: torch.dtype):
     rng = np.random.default_rng(0)
     threads = numba.get_num_threads()
     dots = np.empty((threads, KEYS_PER_TASK, _LANES), np.float32)
-    if dtype == torch.bfloat16:  # bf16 bits of small normal values: pairs for VDPBF16PS
+    if dtype == torch.bfloat16:  # bf16 bits of finite values below 1: pairs for VDPBF16PS
         q_t = (rng.integers(0, 2**31, (_CHANNELS // 2, _LANES)) & 0x3F7F3F7F).astype(np.int32)
         keys = (rng.integers(0, 2**15, (KEYS_PER_TASK, _CHANNELS)) & 0x3F7F).astype(np.uint16)
     else:
@@ -55,7 +55,7 @@ def _operands(dtype: torch.dtype):
 def tile_peak_peer(multiply_adds: dict[torch.dtype, int]) -> Callable[[], object]:
     """A call that does ``multiply_adds[dtype]`` multiply-adds at the tile's peak for each dtype given
     (``torch.bfloat16``: bf16 pairs; any other: float32 fused multiply-adds), rounded up to whole
-    tile passes of 128 keys x 32 lanes x 128 channels."""
+    tile passes of 128 keys x 16 lanes x 128 channels."""
     per_call = KEYS_PER_TASK * _LANES * _CHANNELS
     work = [(_operands(dtype), max(1, -(-count // per_call))) for dtype, count in multiply_adds.items()]
 

@@ -11,7 +11,7 @@ What each kernel is made of, and why (measured with ``benchmarks/bench_qsa.py``)
 * block score: one task per (sequence, chunk of block keys). The chunk's keys
   are read in place (float32, or bf16 as bits; fp16 widened into scratch),
   and each group of the sequence's rows (about 32 (row, head) lanes, queries
-  transposed) runs over them in register tiles of 16-32 lanes x 8 keys
+  transposed) runs over them in register tiles of 16 lanes x 8 keys
   (:mod:`._dot_tile`: fused multiply-adds, or for bf16 ``VDPBF16PS`` on
   channel pairs, twice the multiply-adds per instruction). Each dot product is
   the same chain in a fixed channel order whatever shares its tile, so a
