@@ -710,3 +710,28 @@ def plan_score_tasks(scores, q, offsets, visible):
         for k in range(visible[r], scores.shape[1]):
             score_row[k] = -np.inf
     return num_keys, task_starts, group_starts, q_t, group_rows
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def score_task(task, task_starts, num_keys, offsets):
+    """``(b, first_row, end_row, key0, chunk)`` of task ``task`` of :func:`plan_score_tasks`: sequence
+    ``b``'s rows ``first_row .. end_row - 1`` against its keys ``key0 .. key0 + chunk - 1``."""
+    b = np.searchsorted(task_starts, task, side="right") - 1
+    key0 = (task - task_starts[b]) * KEYS_PER_TASK
+    return b, offsets[b], offsets[b + 1], key0, min(KEYS_PER_TASK, num_keys[b] - key0)
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def relu_sums(totals, lane_dots, lane0, heads, weights):
+    """``totals[i] = sum_h weights[h] * relu(lane_dots[lane0 + h, i])`` for ``i < len(totals)``, each sum
+    ``0 + ... `` in head order ``h = 0 .. heads-1``, one multiply and one add per term (a weight of 1
+    changes no bit); relu keeps NaN. ``lane_dots [lanes, keys]`` from :func:`transpose_dots`, so the
+    inner loop runs over contiguous keys, vectorised."""
+    seen = totals.shape[0]
+    totals[:] = 0.0
+    for h in range(heads):
+        weight = weights[h]
+        key_dots = lane_dots[lane0 + h, :seen]
+        for i in range(seen):
+            x = key_dots[i]
+            totals[i] += weight * (x if not x <= np.float32(0.0) else np.float32(0.0))

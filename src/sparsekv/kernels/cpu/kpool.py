@@ -53,7 +53,7 @@ from ...cache.layout import resolve_pages
 from ..reference.kpool import mla_kpool_seed_tail as mla_kpool_seed_tail  # scatter of whole rows: memory-bound
 from ._bits import as_numba, narrow, widen
 from ._dot_tile import (KEYS_PER_TASK, KEYS_PER_TILE, VECTOR, dots_of_rows, new_scratch, plan_score_tasks,
-                        transpose_dots)
+                        relu_sums, score_task, transpose_dots)
 from ._math import exp_f32
 from ._parallel import numba_threads, threads_for
 from .qsa import _first_missing_page  # the same page check: tokens there, pools here
@@ -290,10 +290,7 @@ def _score_kernel(scores, q, head_weights, cache, page_stride, base, per_page, t
     num_keys, task_starts, group_starts, q_t, group_rows = plan_score_tasks(scores, q, offsets, visible)
     group_lanes = q_t.shape[2]
     for task in numba.prange(task_starts[batch]):
-        b = np.searchsorted(task_starts, task, side="right") - 1
-        first_row, end_row = offsets[b], offsets[b + 1]
-        p0 = (task - task_starts[b]) * KEYS_PER_TASK
-        chunk = min(KEYS_PER_TASK, num_keys[b] - p0)
+        b, first_row, end_row, p0, chunk = score_task(task, task_starts, num_keys, offsets)
         scratch = new_scratch(cache, dim)
         dots = np.empty((KEYS_PER_TASK + KEYS_PER_TILE, group_lanes), np.float32)
         lane_dots = np.empty((group_lanes, KEYS_PER_TASK + KEYS_PER_TILE), np.float32)
@@ -312,16 +309,8 @@ def _score_kernel(scores, q, head_weights, cache, page_stride, base, per_page, t
                 column += run
             transpose_dots(dots, lane_dots, chunk, lanes)  # each lane's pools contiguous: vectorised below
             for r in range(r0, r1):
-                lane0 = (r - r0) * heads
                 seen = max(0, min(chunk, visible[r] - p0))
-                totals = scores[r, p0 : p0 + seen]
-                totals[:] = 0.0
-                for h in range(heads):  # every pool's sum runs h = 0 .. H-1
-                    weight = head_weights[r, h]
-                    pool_dots = lane_dots[lane0 + h, :seen]
-                    for i in range(seen):
-                        x = pool_dots[i]
-                        totals[i] += weight * (x if not x <= np.float32(0.0) else np.float32(0.0))  # NaN stays
+                relu_sums(scores[r, p0 : p0 + seen], lane_dots, (r - r0) * heads, heads, head_weights[r])
 
 
 def mla_kpool_score(scores, q, head_weights, pooled_blocks, lookup_table, query_positions, input_row_offsets,

@@ -57,7 +57,7 @@ from numba import prange
 from ._bits import as_numba, narrow, widen
 from ._dot_tile import (KEYS_PER_TASK, KEYS_PER_TILE, VECTOR, WEIGHTED_CHANNELS, dots_of_gathered_rows,
                         dots_of_rows, gather_rows, new_query_tiles, new_scratch, new_value_scratch, plan_score_tasks,
-                        put_query, transpose_dots, weighted_rows)
+                        put_query, relu_sums, score_task, transpose_dots, weighted_rows)
 from ._math import exp_f32
 from ._parallel import PARALLEL_JIT, threads_for
 
@@ -265,11 +265,9 @@ def _block_score_kernel(scores, q, keys, offsets, positions, ratio, max_blocks, 
         visible[r] = min(max((positions[r] + 1) // ratio, 0), usable_cols)
     num_keys, task_starts, group_starts, q_t, group_rows = plan_score_tasks(scores, q, offsets, visible)
     group_lanes = q_t.shape[2]
+    unit_weights = np.ones(heads, np.float32)  # the block score sums relu(dot) unweighted
     for task in prange(task_starts[batch]):
-        b = np.searchsorted(task_starts, task, side="right") - 1
-        first_row, end_row = offsets[b], offsets[b + 1]
-        g0 = (task - task_starts[b]) * KEYS_PER_TASK
-        chunk = min(KEYS_PER_TASK, num_keys[b] - g0)
+        b, first_row, end_row, g0, chunk = score_task(task, task_starts, num_keys, offsets)
         rows = keys[b * max_blocks + g0 : b * max_blocks + g0 + chunk]
         scratch = new_scratch(keys, dim)
         dots = np.empty((KEYS_PER_TASK + KEYS_PER_TILE, group_lanes), np.float32)
@@ -282,16 +280,9 @@ def _block_score_kernel(scores, q, keys, offsets, positions, ratio, max_blocks, 
             # keys, each key's sum still h = 0 .. H-1 (per key with a stride, it was 35% of the call)
             transpose_dots(dots, lane_dots, chunk, lanes)
             for r in range(r0, r1):
-                lane0 = (r - r0) * heads
-                seen = max(0, min(chunk, visible[r] - g0))
-                totals = scores[r, g0 : g0 + seen]
-                totals[:] = 0.0
-                for h in range(heads):
-                    key_dots = lane_dots[lane0 + h, :seen]
-                    for i in range(seen):
-                        x = key_dots[i]
-                        totals[i] += x if not x <= np.float32(0.0) else np.float32(0.0)  # relu; NaN stays
-                for i in range(seen):
+                totals = scores[r, g0 : g0 + max(0, min(chunk, visible[r] - g0))]
+                relu_sums(totals, lane_dots, (r - r0) * heads, heads, unit_weights)
+                for i in range(totals.shape[0]):
                     totals[i] = totals[i] / np.float32(scale)
 
 
