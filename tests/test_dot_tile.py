@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from sparsekv.kernels.cpu._bits import as_numba
-from sparsekv.kernels.cpu._dot_tile import (KEYS_PER_TASK, KEYS_PER_TILE, VECTOR, WEIGHTED_CHANNELS, WEIGHTED_HEADS,
-                                            _target_has_bf16_dot, dots_of_gathered_rows, dots_of_rows,
-                                            gather_rows, tile_dots, transpose_dots, weighted_rows)
+from sparsekv.kernels.cpu._dot_tile import (KEYS_PER_TASK, KEYS_PER_TILE, SQUARE_SUM_ROWS, VECTOR, WEIGHTED_CHANNELS,
+                                            WEIGHTED_HEADS, _target_has_bf16_dot, dots_of_gathered_rows,
+                                            dots_of_rows, gather_rows, square_sums_in_order, tile_dots,
+                                            transpose_dots, weighted_rows)
 
 
 def _bf16_bits(x: np.ndarray) -> np.ndarray:
@@ -208,3 +209,23 @@ def test_transpose_dots_moves_every_rounded_key_and_nothing_else(keys, lanes):
     transpose_dots(dots, dots_t, keys, lanes)
     assert np.array_equal(dots_t[:lanes, :rounded], dots[:rounded, :lanes].T)
     assert np.isnan(dots_t[lanes:]).all() and np.isnan(dots_t[:, rounded:]).all()
+
+
+@pytest.mark.parametrize("dim", [1, 15, 16, 64, 100, 128, 200])
+def test_square_sums_run_over_the_channels_in_order_for_every_row(dim):
+    """Each row's sum is the sequential float32 chain ``s = s + x[d] * x[d]`` (d ascending) bit for bit,
+    whether the row's channels go through the vector steps or the scalar tail; a pairwise or lane-split
+    sum of these wide-ranging values differs in the last bits."""
+    rng = np.random.default_rng(dim)
+    rows = (rng.standard_normal((SQUARE_SUM_ROWS, dim)) * np.exp(rng.uniform(-8, 8, (SQUARE_SUM_ROWS, dim))))
+    rows = rows.astype(np.float32)
+    sums = np.full(SQUARE_SUM_ROWS + 3, np.nan, np.float32)
+    square_sums_in_order(rows, sums)
+    want = np.zeros(SQUARE_SUM_ROWS, np.float32)
+    for d in range(dim):
+        want = (want + rows[:, d] * rows[:, d]).astype(np.float32)
+    assert sums[:SQUARE_SUM_ROWS].view(np.uint32).tolist() == want.view(np.uint32).tolist()
+    assert np.isnan(sums[SQUARE_SUM_ROWS:]).all(), "wrote past the rows' sums"
+    if dim >= 64:  # the test can tell the order apart
+        pairwise = np.array([np.float32(np.sum(r * r, dtype=np.float32)) for r in rows])
+        assert not np.array_equal(pairwise, want)

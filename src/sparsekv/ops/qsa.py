@@ -218,17 +218,17 @@ def qsa_compress_keys_paged(
         max_blocks = out.shape[0] // batch
 
     if _host_checks(c.device):
-        if bool((key_counts < 0).any()):
-            raise ValueError(f"key_counts: expected values >= 0 (< 2**31), got {key_counts.tolist()}")
-        num_blocks = torch.clamp(key_counts.long() // ratio, max=max_blocks)
+        counts = host_array(key_counts)
+        if counts.min() < 0:
+            raise ValueError(f"key_counts: expected values >= 0 (< 2**31), got {counts.tolist()}")
+        num_blocks = np.minimum(counts.astype(np.int64) // ratio, max_blocks)
         last_start = int(num_blocks.max()) * ratio - ratio
         if last_start >= freqs_cis.shape[0]:
-            b = int(num_blocks.argmax())
-            raise ValueError(
-                f"freqs_cis: {freqs_cis.shape[0]} rows is too short; sequence {b} needs position {last_start}"
-            )
+            raise ValueError(f"freqs_cis: {freqs_cis.shape[0]} rows is too short; "
+                             f"sequence {int(num_blocks.argmax())} needs position {last_start}")
         if c.device.type != "cpu":  # CPU kernels check pages themselves before reading
-            check_needed_pages(c.lookup_table, c.num_pages, c.page_size, num_blocks * ratio)
+            check_needed_pages(c.lookup_table, c.num_pages, c.page_size,
+                               torch.from_numpy(num_blocks * ratio).to(c.device))
     _compress_op(out, gamma, freqs_cis, key_counts, c.blocks, c.lookup_table, layer_idx, ratio, eps)
     return out
 

@@ -37,7 +37,9 @@ for keys anywhere (attention's selected tokens): the tile reads each key
 from its own start (``row_starts``), and :func:`gather_rows` copies rows
 with a prefetch ahead where a copy is needed. :func:`transpose_dots` turns
 ``dots [keys, lanes]`` into ``[lanes, keys]`` (an 8 x 16 shuffle network per
-block) so that the score epilogues run over each lane's keys contiguously.
+block) so that the score epilogues run over each lane's keys contiguously;
+:func:`square_sums_in_order` runs the same network to sum the squares of
+16 rows at once in channel order (compress's RMSNorm).
 :func:`weighted_rows` is the other half of attention, ``acc[h] += sum_n p[n,
 h] * v[n]``: tiles of 12, 8 or 4 heads x 32 channels, rows in order, one
 fused multiply-add each, bf16 values widened in registers.
@@ -378,43 +380,103 @@ def _shuffle_indices(step: int, half: int) -> list[int]:
             for e in range(step)]
 
 
+def _block_columns(builder, data, row_length, row0, col0):
+    """The 16 columns of the 8 x 16 block at (``row0``, ``col0``) of a float32 C matrix (``data`` its
+    element pointer, ``row_length`` its columns), each an 8-float vector of rows ``row0 .. row0+7``, in
+    column order: eight vector loads and three shuffle stages (pairs, quads, octets of rows)."""
+    index = ir.IntType(64)
+    vector = ir.VectorType(ir.FloatType(), VECTOR)
+
+    def shuffle(a, b, indices):
+        return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(ir.IntType(32), len(indices)), indices))
+
+    rows = [builder.load(_vector_at(builder, data, builder.add(
+        builder.mul(builder.add(row0, ir.Constant(index, k)), row_length), col0), vector), align=4)
+        for k in range(KEYS_PER_TILE)]
+    columns = []
+    for half in range(2):  # columns 0-7, 8-15
+        pairs = [shuffle(rows[2 * p], rows[2 * p + 1], _shuffle_indices(1, half)) for p in range(4)]
+        for quarter in range(2):  # columns 0-3, 4-7 of the half
+            quads = [shuffle(pairs[2 * q], pairs[2 * q + 1], _shuffle_indices(2, quarter)) for q in range(2)]
+            for eighth in range(2):  # two columns each: every row of the column, in order
+                both = shuffle(quads[0], quads[1], _shuffle_indices(4, eighth))
+                columns += [shuffle(both, both, list(range(8 * second, 8 * second + 8))) for second in range(2)]
+    return columns
+
+
 @intrinsic
 def _transpose_block(typingctx, dots, dots_t, key0, lane0):
-    """``dots_t[lane0 + j, key0 + k] = dots[key0 + k, lane0 + j]`` for ``k < 8``, ``j < 16``: eight vector
-    loads, three shuffle stages (pairs, quads, octets of keys) and sixteen 8-float stores. float32 2-d C
-    arrays; the caller keeps every index in bounds."""
+    """``dots_t[lane0 + j, key0 + k] = dots[key0 + k, lane0 + j]`` for ``k < 8``, ``j < 16``
+    (:func:`_block_columns`, then sixteen 8-float stores). float32 2-d C arrays; the caller keeps every
+    index in bounds."""
     if not (_is_c_matrix(dots, types.float32) and _is_c_matrix(dots_t, types.float32)):
         return None
 
     def codegen(context, builder, sig, args):
         dots_arr, t_arr = (context.make_array(t)(context, builder, a) for t, a in zip(sig.args[:2], args[:2]))
         key0, lane0 = args[2], args[3]
-        index = ir.IntType(64)
-        vector = ir.VectorType(ir.FloatType(), VECTOR)
         octet = ir.VectorType(ir.FloatType(), KEYS_PER_TILE)
-        dots_cols = builder.extract_value(dots_arr.shape, 1)
         t_cols = builder.extract_value(t_arr.shape, 1)
-
-        def shuffle(a, b, indices):
-            return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(ir.IntType(32), len(indices)), indices))
-
-        rows = [builder.load(_vector_at(builder, dots_arr.data, builder.add(
-            builder.mul(builder.add(key0, ir.Constant(index, k)), dots_cols), lane0), vector), align=4)
-            for k in range(KEYS_PER_TILE)]
-        for half in range(2):  # lanes 0-7, 8-15
-            pairs = [shuffle(rows[2 * p], rows[2 * p + 1], _shuffle_indices(1, half)) for p in range(4)]
-            for quarter in range(2):  # lanes 0-3, 4-7 of the half
-                quads = [shuffle(pairs[2 * q], pairs[2 * q + 1], _shuffle_indices(2, quarter)) for q in range(2)]
-                for eighth in range(2):  # two lanes each: every key of the lane, in order
-                    both = shuffle(quads[0], quads[1], _shuffle_indices(4, eighth))
-                    for second in range(2):
-                        lane = half * 8 + quarter * 4 + eighth * 2 + second
-                        keys = shuffle(both, both, list(range(8 * second, 8 * second + 8)))
-                        start = builder.add(builder.mul(builder.add(lane0, ir.Constant(index, lane)), t_cols), key0)
-                        builder.store(keys, _vector_at(builder, t_arr.data, start, octet), align=4)
+        columns = _block_columns(builder, dots_arr.data, builder.extract_value(dots_arr.shape, 1), key0, lane0)
+        for lane, keys in enumerate(columns):
+            start = builder.add(builder.mul(builder.add(lane0, ir.Constant(ir.IntType(64), lane)), t_cols), key0)
+            builder.store(keys, _vector_at(builder, t_arr.data, start, octet), align=4)
         return context.get_dummy_value()
 
     return types.void(dots, dots_t, types.intp, types.intp), codegen
+
+
+SQUARE_SUM_ROWS = 2 * KEYS_PER_TILE
+"""Rows whose sums of squares :func:`square_sums_in_order` computes at once (two independent chains of 8)."""
+
+
+@intrinsic
+def _add_block_squares(typingctx, rows, sums, col0):
+    """``sums[k] += rows[k, col0 + j]**2`` for ``j = 0 .. 15`` in order, ``k < 16``: two chains of eight
+    rows (:func:`_block_columns`; a multiply, then an add, each rounded), interleaved so that neither
+    waits on its own adds. ``rows`` float32 2-d C with at least 16 rows and ``col0 + 16`` columns,
+    ``sums`` float32 1-d C with at least 16 elements (not checked)."""
+    if not (_is_c_matrix(rows, types.float32) and isinstance(sums, types.Array) and sums.ndim == 1
+            and sums.layout == "C" and sums.dtype == types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        rows_arr, sums_arr = (context.make_array(t)(context, builder, a) for t, a in zip(sig.args[:2], args[:2]))
+        octet = ir.VectorType(ir.FloatType(), KEYS_PER_TILE)
+        index = ir.IntType(64)
+        row_length = builder.extract_value(rows_arr.shape, 1)
+        chains = range(SQUARE_SUM_ROWS // KEYS_PER_TILE)
+        where = [_vector_at(builder, sums_arr.data, ir.Constant(index, KEYS_PER_TILE * c), octet) for c in chains]
+        totals = [builder.load(w, align=4) for w in where]
+        columns = [_block_columns(builder, rows_arr.data, row_length, ir.Constant(index, KEYS_PER_TILE * c),
+                                  args[2]) for c in chains]
+        for j in range(VECTOR):
+            for c in chains:
+                totals[c] = builder.fadd(totals[c], builder.fmul(columns[c][j], columns[c][j]))
+        for total, w in zip(totals, where):
+            builder.store(total, w, align=4)
+        return context.get_dummy_value()
+
+    return types.void(rows, sums, types.intp), codegen
+
+
+@numba.njit(cache=True, nogil=True)
+def square_sums_in_order(rows, sums):
+    """``sums[k] = sum_d rows[k, d]**2`` over ``d = 0 .. D-1`` in order, each square and each add rounded,
+    for the ``SQUARE_SUM_ROWS`` (16) rows of ``rows [16, D]`` at once (sixteen channels per step, rows as
+    vector lanes). float32, C-contiguous; ``sums`` at least 16 elements. Rows that hold no data just give
+    sums to ignore."""
+    sums[:SQUARE_SUM_ROWS] = 0.0
+    dim = rows.shape[1]
+    whole = dim - dim % VECTOR
+    for col0 in range(0, whole, VECTOR):
+        _add_block_squares(rows, sums, col0)
+    for k in range(SQUARE_SUM_ROWS):
+        row = rows[k]
+        total = sums[k]
+        for d in range(whole, dim):
+            total += row[d] * row[d]
+        sums[k] = total
 
 
 @numba.njit(cache=True, nogil=True)
