@@ -10,7 +10,8 @@ from test_qsa_cases import DTYPES, assert_spec_close, build_paged_cache, make_co
 
 import sparsekv
 from sparsekv import qsa_compress_keys_paged, rope_freqs_cis
-from sparsekv.kernels.cpu._bits import bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16
+from sparsekv.kernels.cpu._bits import (bf16_to_f32, f16_to_f32, f16_to_f32_in_integers, f32_to_bf16, f32_to_f16,
+                                       f32_to_f16_in_integers)
 from sparsekv.kernels.cpu import qsa as cpu_qsa
 from sparsekv.kernels.reference import qsa as ref_qsa
 
@@ -98,19 +99,24 @@ def test_cpu_matches_reference(dtype):
     assert torch.equal(torch.cat(got).view(torch.uint8), torch.cat(want).view(torch.uint8))
 
 
-def test_half_precision_bit_conversions_match_torch():
-    """The CPU kernels' bf16/fp16 <-> fp32 conversions: every 16-bit pattern, and round-to-nearest-even."""
+@pytest.mark.parametrize("fp16_path", ["this machine's", "integer fallback"])
+def test_half_precision_bit_conversions_match_torch(fp16_path):
+    """The CPU kernels' bf16/fp16 <-> fp32 conversions: every 16-bit pattern, and round-to-nearest-even
+    (fp16 both through the CPU's own conversions, where it has them, and the integer fallback)."""
     import numba
     import numpy as np
+
+    f16_widen, f16_narrow = ((f16_to_f32, f32_to_f16) if fp16_path == "this machine's"
+                             else (f16_to_f32_in_integers, f32_to_f16_in_integers))
 
     @numba.njit
     def roundtrip(bf16_bits, f16_bits, values, widened_bf16, widened_f16, narrowed_bf16, narrowed_f16):
         for i in range(bf16_bits.shape[0]):
             widened_bf16[i] = bf16_to_f32(bf16_bits[i])
-            widened_f16[i] = f16_to_f32(f16_bits[i])
+            widened_f16[i] = f16_widen(f16_bits[i])
         for i in range(values.shape[0]):
             narrowed_bf16[i] = f32_to_bf16(values[i])
-            narrowed_f16[i] = f32_to_f16(values[i])
+            narrowed_f16[i] = f16_narrow(values[i])
 
     patterns = torch.arange(65536, dtype=torch.int32).to(torch.int16)
     random_bits = torch.randint(-(2**31), 2**31 - 1, (200_000,), dtype=torch.int64).to(torch.int32)

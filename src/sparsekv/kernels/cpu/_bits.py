@@ -1,4 +1,4 @@
-"""bf16 and fp16 in numba CPU kernels: tensors as raw 16-bit arrays, widened and rounded in integer arithmetic.
+"""bf16 and fp16 in numba CPU kernels: tensors as raw 16-bit arrays, widened and rounded bit-exactly as torch casts.
 
 numba has neither 16-bit float type, so a kernel receives a bf16 tensor as its
 ``uint16`` bit patterns and an fp16 tensor as its ``int16`` bit patterns
@@ -15,20 +15,26 @@ float32 value of ``k[t, d]`` and ``out[t, d] = narrow(value, out)`` stores a
 float32 ``value`` rounded to bf16 when ``out`` is ``as_numba`` of a bf16
 tensor, and unchanged when it is a float32 array.
 
-Bit arithmetic runs on int64 (numba widens mixed uint32 arithmetic to 64 bits
-anyway); a result is cast to uint32 right before it is reinterpreted as
-float32. numba's cache does not notice when this module changes under a cached
+bf16 conversions are 32-bit integer operations in LLVM IR (a shift; a
+rounding add), so loops over them vectorise. fp16 conversions use LLVM's
+``half`` type, which x86 CPUs with F16C (``VCVTPH2PS``/``VCVTPS2PH``) and
+aarch64 convert in hardware, 16 lanes at a time; on other CPUs they fall back
+to integer arithmetic (``f16_to_f32_in_integers``, ``f32_to_f16_in_integers``:
+branches, scalar, 4x slower in the compress kernel). numba's cache does not notice when this module changes under a cached
 caller in another module: clear the ``__pycache__`` ``*.nbi``/``*.nbc`` files
 after editing it.
 """
 
 from __future__ import annotations
 
+import platform
+
 import numba
 import numpy as np
 import torch
 from llvmlite import ir
 from numba import types
+from numba.core.codegen import get_host_cpu_features
 from numba.extending import intrinsic, overload
 
 
@@ -83,9 +89,54 @@ def f32_to_bf16(value):
     return _f32_to_bf16_bits(np.float32(value))
 
 
+@intrinsic
+def _f16_bits_to_f32(typingctx, bits):
+    """Low 16 bits of an integer, as fp16 -> float32: LLVM's ``fpext half`` (``VCVTPH2PS``, exact,
+    subnormals included; 16 lanes at a time in a vectorised loop)."""
+    if not isinstance(bits, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        low = builder.trunc(args[0], ir.IntType(16)) if bits.bitwidth > 16 else args[0]
+        return builder.fpext(builder.bitcast(low, ir.HalfType()), ir.FloatType())
+
+    return types.float32(bits), codegen
+
+
+@intrinsic
+def _f32_to_f16_bits(typingctx, value):
+    """float32 -> fp16 bits (``int16``): LLVM's ``fptrunc`` to ``half`` (``VCVTPS2PH``: to nearest even,
+    overflow to inf, subnormal results exact), NaN -> ``sign | 0x7E00`` as torch writes it."""
+    if value != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        i16 = ir.IntType(16)
+        rounded = builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), i16)
+        sign = builder.and_(rounded, ir.Constant(i16, 0x8000))
+        nan = builder.or_(sign, ir.Constant(i16, 0x7E00))
+        return builder.select(builder.fcmp_unordered("uno", args[0], args[0]), nan, rounded)
+
+    return types.int16(types.float32), codegen
+
+
+def _half_conversions_in_hardware() -> bool:
+    """Whether numba compiles for a CPU that converts fp16 itself (x86 with F16C, or aarch64); elsewhere
+    LLVM would call runtime helpers that numba's JIT may not have."""
+    machine = platform.machine().lower()
+    if machine in ("aarch64", "arm64"):
+        return True
+    features = numba.core.config.CPU_FEATURES
+    return machine in ("x86_64", "amd64") and "+f16c" in (get_host_cpu_features() if features is None
+                                                        else features).split(",")
+
+
+HALF_CONVERSIONS_IN_HARDWARE = _half_conversions_in_hardware()
+
+
 @numba.njit(cache=True)
-def f16_to_f32(bits):
-    """fp16 bit pattern (any integer type) -> its float32 value (exact, subnormals included)."""
+def f16_to_f32_in_integers(bits):
+    """:func:`f16_to_f32` in integer arithmetic, for CPUs without fp16 conversions."""
     h = np.int64(np.uint16(bits))
     sign = (h & 0x8000) << 16
     exponent = (h >> 10) & 0x1F
@@ -99,8 +150,8 @@ def f16_to_f32(bits):
 
 
 @numba.njit(cache=True)
-def f32_to_f16(value):
-    """float32 -> fp16 bit pattern (``int16``), rounded to nearest even; overflow -> inf, NaN -> ``0x7E00``."""
+def f32_to_f16_in_integers(value):
+    """:func:`f32_to_f16` in integer arithmetic, for CPUs without fp16 conversions."""
     bits = np.int64(np.float32(value).view(np.uint32))
     sign = (bits >> 16) & 0x8000
     magnitude = bits & 0x7FFFFFFF
@@ -117,6 +168,22 @@ def f32_to_f16(value):
     if rest > 0x1000 or (rest == 0x1000 and (half & 1)):
         half += 1  # a carry into the exponent is right, up to inf
     return np.int16(np.uint16(sign | half))
+
+
+@numba.njit(cache=True)
+def f16_to_f32(bits):
+    """fp16 bit pattern (any integer type) -> its float32 value (exact, subnormals included)."""
+    if HALF_CONVERSIONS_IN_HARDWARE:  # a global: numba compiles one branch
+        return _f16_bits_to_f32(bits)
+    return f16_to_f32_in_integers(bits)
+
+
+@numba.njit(cache=True)
+def f32_to_f16(value):
+    """float32 -> fp16 bit pattern (``int16``), rounded to nearest even; overflow -> inf, NaN -> ``0x7E00``."""
+    if HALF_CONVERSIONS_IN_HARDWARE:
+        return _f32_to_f16_bits(np.float32(value))
+    return f32_to_f16_in_integers(value)
 
 
 def widen(x):

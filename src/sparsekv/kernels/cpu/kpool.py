@@ -14,11 +14,12 @@ What each kernel is made of, and why (measured with ``benchmarks/bench_kpool.py`
   reads each member row once and writes the pooled key. At kpool 4 (the GLM
   shape) the softmax runs in a single loop over the channels with all four
   members in registers; other pool sizes go member by member through small
-  float32 scratch rows. Pooled keys are rounded to bf16/fp16 in the kernel,
-  by integer arithmetic on their raw 16-bit patterns (numba has neither type;
-  :mod:`._bits`), exactly as torch casts. bf16 members are widened there too
-  (a 16-bit shift); fp16 members are widened by torch first, which is several
-  times faster than numba's integer path for fp16.
+  float32 scratch rows. 16-bit members are widened and pooled keys rounded
+  in the kernel, on their raw 16-bit patterns (numba has neither type;
+  :mod:`._bits`: a 16-bit shift and integer rounding for bf16, the CPU's own
+  conversions for fp16), exactly as torch casts. (Widening fp16 with torch
+  first, as this path did before the fp16 conversions moved to the CPU's
+  instructions, is now 3.5x slower.)
 * ``exp``: float32, fused multiply-adds (:func:`._math.exp_f32`: Cody-Waite
   reduction, a degree-7 polynomial fitted for relative error, ``2**n`` from
   its bits), at most one ulp from the correctly rounded value, 16 lanes per
@@ -186,8 +187,6 @@ def _pool_rows(out: torch.Tensor, k: torch.Tensor, gate: torch.Tensor, ape: torc
         out.copy_(k[starts.to(torch.int64) + kpool - 1])
         return
     code = _MODE_SOFTMAX if mode == "softmax" else _MODE_MEAN
-    if k.dtype == torch.float16:  # see the module docstring: torch widens fp16 faster
-        k, gate = k.float(), gate.float()
     target = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
     with numba_threads(out.shape[0] // _POOLS_PER_THREAD):
         _pools_kernel(as_numba(target), as_numba(k.contiguous()), as_numba(gate.contiguous()),
