@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 
+import numba
 import numpy as np
 import torch
 
@@ -414,23 +415,36 @@ def qsa_sparse_attention_paged(
     return (out, lse) if return_lse else out
 
 
+@numba.njit(cache=True, nogil=True)
+def _first_bad_counted_entry(indices, counts, offsets, cached):
+    """(row, entry, tokens held) of the first counted entry outside ``[0, tokens held)``, or (row, -1, 0) for
+    the first count above ``indices``' width; (-1, -1, 0) when every row is fine. One pass, no temporaries:
+    the ten numpy ops over the whole index matrix that it replaces took ~30 us themselves but made the
+    decode step that followed them 0.05-0.14 ms slower (measured; the cause was not pinned down)."""
+    width = indices.shape[1]
+    for b in range(offsets.shape[0] - 1):
+        rows = offsets[b + 1] - offsets[b]
+        held = np.int64(cached[b]) + rows
+        for r in range(offsets[b], offsets[b + 1]):
+            if counts[r] > width:
+                return r, -1, 0
+            for i in range(counts[r]):
+                if indices[r, i] < 0 or indices[r, i] >= held:
+                    return r, i, held
+    return -1, -1, 0
+
+
 def _check_counted_positions(indices: torch.Tensor, counts: torch.Tensor, offsets: torch.Tensor,
                              cache_lengths: torch.Tensor) -> None:
     """Counts within ``[.., W]`` and counted positions in ``[0, tokens held)``, else ``ValueError``."""
     indices, counts, offsets, cached = (host_array(t) for t in (indices, counts, offsets, cache_lengths))
-    width = indices.shape[1]
-    too_many = np.flatnonzero(counts > width)
-    if too_many.size:
-        r = int(too_many[0])
-        raise ValueError(f"counts: row {r} counts {int(counts[r])} entries but indices has {width} columns")
-    rows_per_seq = np.diff(offsets.astype(np.int64))
-    seq_ids = np.repeat(np.arange(rows_per_seq.shape[0]), rows_per_seq)
-    held = cached.astype(np.int64)[seq_ids] + rows_per_seq[seq_ids]  # [total_q]
-    counted = np.arange(width)[None, :] < counts[:, None]
-    bad = counted & ((indices < 0) | (indices >= held[:, None]))
-    if bad.any():
-        r, i = (int(x) for x in np.argwhere(bad)[0])
-        raise ValueError(
-            f"indices: row {r}, entry {i} holds position {int(indices[r, i])}, outside [0, {int(held[r])}) "
-            f"(the tokens sequence {int(seq_ids[r])} holds) inside the counted region (counts[{r}] = {int(counts[r])})"
-        )
+    r, i, held = _first_bad_counted_entry(indices, counts, offsets, cached)
+    if r < 0:
+        return
+    if i < 0:
+        raise ValueError(f"counts: row {r} counts {int(counts[r])} entries but indices has {indices.shape[1]} columns")
+    b = int(np.searchsorted(offsets, r, side="right")) - 1
+    raise ValueError(
+        f"indices: row {r}, entry {i} holds position {int(indices[r, i])}, outside [0, {held}) "
+        f"(the tokens sequence {b} holds) inside the counted region (counts[{r}] = {int(counts[r])})"
+    )
