@@ -61,14 +61,14 @@ import torch
 from numba import prange
 
 from ._bits import as_numba, narrow, widen
-from ._dot_tile import (KEYS_PER_TASK, KEYS_PER_TILE, VECTOR, WEIGHTED_CHANNELS, dots_of_gathered_rows,
-                        dots_of_rows, gather_rows, new_query_tiles, new_scratch, new_value_scratch, plan_score_tasks,
-                        put_query, relu_sums, score_task, SQUARE_SUM_ROWS, square_sums_in_order, transpose_dots, weighted_rows)
+from ._dot_tile import (KEYS_PER_TASK, KEYS_PER_TILE, SQUARE_SUM_ROWS, VECTOR, WEIGHTED_CHANNELS,
+                        dots_of_gathered_rows, dots_of_rows, gather_rows, new_query_tiles, new_scratch,
+                        new_value_scratch, plan_score_tasks, put_query, relu_sums, score_task, square_sums_in_order,
+                        transpose_dots, weighted_rows)
 from ._math import exp_f32
 from ._parallel import PARALLEL_JIT, threads_for
 
-_ROWS_PER_TASK = 64  # block-key rows per compress task
-_ROWS_PER_GROUP = SQUARE_SUM_ROWS  # block keys whose RMSNorm sums of squares run as vector lanes
+_ROWS_PER_TASK = 64  # block-key rows per compress task (groups of SQUARE_SUM_ROWS: their RMSNorm sums run at once)
 
 
 # ---- compress -------------------------------------------------------------------------
@@ -111,7 +111,8 @@ def _page_problem(lookup_table: torch.Tensor, num_pages: int, page_size: int, b:
 @numba.njit(**PARALLEL_JIT)
 def _compress_kernel(out, keys, page_stride, base, page_size, table, num_blocks, gamma, freqs, ratio, eps):
     """``out [B*max_blocks, D]``; ``keys`` the flat cache (see ``_flat_plane``, one head);
-    ``freqs [positions, rotary]`` float32, (cos, sin) pairs interleaved; ``num_blocks [B]`` pooled blocks per sequence."""
+    ``freqs [positions, rotary]`` float32, (cos, sin) pairs interleaved; ``num_blocks [B]`` pooled blocks per
+    sequence."""
     rows, dim = out.shape
     max_blocks = rows // num_blocks.shape[0]
     half = freqs.shape[1] // 2
@@ -135,12 +136,12 @@ def _compress_kernel(out, keys, page_stride, base, page_size, table, num_blocks,
     inverse_ratio = np.float32(1.0) / np.float32(ratio) if ratio & (ratio - 1) == 0 else np.float32(0.0)
     tasks = (rows + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK
     for task in prange(tasks):
-        acc = np.empty((_ROWS_PER_GROUP, dim), np.float32)
+        acc = np.empty((SQUARE_SUM_ROWS, dim), np.float32)
         squares = np.empty(SQUARE_SUM_ROWS, np.float32)
         inv_rms = np.empty(SQUARE_SUM_ROWS, np.float32)
         task_end = min((task + 1) * _ROWS_PER_TASK, rows)
-        for group_start in range(task * _ROWS_PER_TASK, task_end, _ROWS_PER_GROUP):
-            group = min(_ROWS_PER_GROUP, task_end - group_start)
+        for group_start in range(task * _ROWS_PER_TASK, task_end, SQUARE_SUM_ROWS):
+            group = min(SQUARE_SUM_ROWS, task_end - group_start)
             for k in range(group):  # 1. mean of the R raw keys, in token order, rounded
                 row = group_start + k
                 b, j = row // max_blocks, row % max_blocks
