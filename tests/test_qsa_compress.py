@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import platform
 import random
 
 import pytest
@@ -12,6 +14,7 @@ import sparsekv
 from sparsekv import qsa_compress_keys_paged, rope_freqs_cis
 from sparsekv.kernels.cpu._bits import (bf16_to_f32, f16_to_f32, f16_to_f32_in_integers, f32_to_bf16, f32_to_f16,
                                        f32_to_f16_in_integers)
+from sparsekv.kernels.cpu import _bits as cpu_bits
 from sparsekv.kernels.cpu import qsa as cpu_qsa
 from sparsekv.kernels.reference import qsa as ref_qsa
 
@@ -135,6 +138,52 @@ def test_half_precision_bit_conversions_match_torch(fp16_path):
         want = values.to(dtype).view(bits)
         assert torch.equal(torch.from_numpy(got)[~nan], want[~nan])
         assert torch.from_numpy(got).view(dtype)[nan].isnan().all()
+
+
+_FP16_SUBPROCESS = """
+import json, sys, numba, numpy as np
+from sparsekv.kernels.cpu._bits import HALF_CONVERSIONS_IN_HARDWARE, f16_to_f32, f32_to_f16
+
+@numba.njit
+def convert(bits, values, widened, narrowed):
+    for i in range(bits.shape[0]):
+        widened[i] = f16_to_f32(bits[i])
+    for i in range(values.shape[0]):
+        narrowed[i] = f32_to_f16(values[i])
+
+bits = np.arange(65536).astype(np.uint16).view(np.int16)
+values = np.array(json.loads(sys.stdin.read()), np.int32).view(np.float32)
+widened, narrowed = np.empty(65536, np.float32), np.empty(values.shape[0], np.int16)
+convert(bits, values, widened, narrowed)
+print(json.dumps({"hardware": HALF_CONVERSIONS_IN_HARDWARE, "widened": widened.view(np.uint32).tolist(),
+                  "narrowed": narrowed.tolist()}))
+"""
+
+
+@pytest.mark.skipif(not cpu_bits.HALF_CONVERSIONS_IN_HARDWARE or platform.machine().lower() not in ("x86_64", "amd64"),
+                    reason="needs an x86 CPU with F16C to compile for one without")
+def test_fp16_kernels_compiled_for_a_cpu_without_f16c_use_the_integer_path(tmp_path):
+    """``widen``/``narrow`` pick their fp16 path from the CPU numba compiles for: without F16C the
+    integer fallback, with the same bits as torch."""
+    import json
+    import subprocess
+    import sys
+
+    import numba
+
+    features = numba.core.codegen.get_host_cpu_features().replace("+f16c", "-f16c")
+    env = dict(os.environ, NUMBA_CPU_FEATURES=features, NUMBA_CACHE_DIR=str(tmp_path))
+    values = torch.cat([torch.randn(20_000), torch.randn(20_000) * 1e-5, torch.randn(20_000) * 7e4])
+    done = subprocess.run([sys.executable, "-c", _FP16_SUBPROCESS], input=json.dumps(values.view(torch.int32).tolist()),
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["hardware"] is False, "the subprocess still compiles the F16C conversions"
+    want = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
+    widened = torch.tensor(result["widened"], dtype=torch.int64).to(torch.int32).view(torch.float32)
+    finite = ~want.isnan()
+    assert torch.equal(widened[finite], want[finite]) and widened[~finite].isnan().all()
+    assert torch.equal(torch.tensor(result["narrowed"], dtype=torch.int16), values.to(torch.float16).view(torch.int16))
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu"])

@@ -120,15 +120,22 @@ def _f32_to_f16_bits(typingctx, value):
     return types.int16(types.float32), codegen
 
 
+def target_cpu_features() -> set[str]:
+    """The CPU features numba compiles for (``+avx512bf16``, ...): ``NUMBA_CPU_FEATURES`` when set, none
+    when only ``NUMBA_CPU_NAME`` is (a portable build), else the host's."""
+    features = numba.core.config.CPU_FEATURES
+    if features is None:
+        features = "" if numba.core.config.CPU_NAME else get_host_cpu_features()
+    return set(features.split(","))
+
+
 def _half_conversions_in_hardware() -> bool:
     """Whether numba compiles for a CPU that converts fp16 itself (x86 with F16C, or aarch64); elsewhere
     LLVM would call runtime helpers that numba's JIT may not have."""
     machine = platform.machine().lower()
     if machine in ("aarch64", "arm64"):
         return True
-    features = numba.core.config.CPU_FEATURES
-    return machine in ("x86_64", "amd64") and "+f16c" in (get_host_cpu_features() if features is None
-                                                        else features).split(",")
+    return machine in ("x86_64", "amd64") and "+f16c" in target_cpu_features()
 
 
 HALF_CONVERSIONS_IN_HARDWARE = _half_conversions_in_hardware()

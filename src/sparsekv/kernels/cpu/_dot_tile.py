@@ -61,10 +61,9 @@ import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
-from numba.core.codegen import get_host_cpu_features
 from numba.extending import intrinsic, overload
 
-from ._bits import widen
+from ._bits import target_cpu_features, widen
 
 VECTOR = 16  # float32 lanes per vector (AVX-512); LLVM splits the vectors on narrower machines
 KEYS_PER_TILE = 8
@@ -84,9 +83,8 @@ class _BFloat(ir.Type):
 
 
 def _target_has_bf16_dot() -> bool:
-    """Whether numba compiles for a CPU with ``VDPBF16PS`` (its target features, which ``NUMBA_CPU_FEATURES`` sets)."""
-    features = numba.core.config.CPU_FEATURES
-    return "+avx512bf16" in (get_host_cpu_features() if features is None else features).split(",")
+    """Whether numba compiles for a CPU with ``VDPBF16PS`` (:func:`._bits.target_cpu_features`)."""
+    return "+avx512bf16" in target_cpu_features()
 
 
 def _is_c_matrix(array, dtype) -> bool:
