@@ -70,5 +70,11 @@ def numba_threads(count: int) -> Iterator[None]:
 
 
 def threads_for(work: int) -> contextlib.AbstractContextManager[None]:
-    """All of numba's threads for ``work`` (multiply-adds or elements) of at least ``PARALLEL_MIN_WORK``, else one."""
-    return numba_threads(numba.get_num_threads() if work >= PARALLEL_MIN_WORK else 1)
+    """All of numba's threads for ``work`` (multiply-adds or elements) of at least ``PARALLEL_MIN_WORK``, else one.
+
+    (``numba_threads`` clamps the count to the threads there are; each ``numba.get_num_threads()`` costs
+    ~3 us, so it is asked once per call.)"""
+    return numba_threads(_ALL_THREADS if work >= PARALLEL_MIN_WORK else 1)
+
+
+_ALL_THREADS = 1 << 30
