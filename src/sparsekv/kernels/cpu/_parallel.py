@@ -54,6 +54,9 @@ PARALLEL_MIN_WORK = 1 << 22
 """Below this many multiply-adds or elements, :func:`threads_for` runs a kernel on one thread."""
 
 
+_ALL_THREADS = 1 << 30  # "every thread": numba_threads clamps it to the threads there are
+
+
 @contextlib.contextmanager
 def numba_threads(count: int) -> Iterator[None]:
     """Run numba's parallel loops inside the block on ``count`` threads, clamped to 1 .. numba's current count."""
@@ -75,6 +78,3 @@ def threads_for(work: int) -> contextlib.AbstractContextManager[None]:
     (``numba_threads`` clamps the count to the threads there are; each ``numba.get_num_threads()`` costs
     ~3 us, so it is asked once per call.)"""
     return numba_threads(_ALL_THREADS if work >= PARALLEL_MIN_WORK else 1)
-
-
-_ALL_THREADS = 1 << 30

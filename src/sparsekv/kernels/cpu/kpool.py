@@ -17,9 +17,8 @@ What each kernel is made of, and why (measured with ``benchmarks/bench_kpool.py`
   float32 scratch rows. 16-bit members are widened and pooled keys rounded
   in the kernel, on their raw 16-bit patterns (numba has neither type;
   :mod:`._bits`: a 16-bit shift and integer rounding for bf16, the CPU's own
-  conversions for fp16), exactly as torch casts. (Widening fp16 with torch
-  first, as this path did before the fp16 conversions moved to the CPU's
-  instructions, is now 3.5x slower.)
+  conversions for fp16), exactly as torch casts (widening fp16 with torch
+  first measured 3.5x slower).
 * ``exp``: float32, fused multiply-adds (:func:`._math.exp_f32`: Cody-Waite
   reduction, a degree-7 polynomial fitted for relative error, ``2**n`` from
   its bits), at most one ulp from the correctly rounded value, 16 lanes per
