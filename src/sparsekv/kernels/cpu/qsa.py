@@ -66,6 +66,7 @@ from ._dot_tile import (KEYS_PER_TASK, KEYS_PER_TILE, SQUARE_SUM_ROWS, VECTOR, W
                         new_value_scratch, plan_score_tasks, put_query, relu_sums, score_task, square_sums_in_order,
                         transpose_dots, weighted_rows)
 from ._math import exp_f32
+from ._pages import first_missing_page
 from ._parallel import PARALLEL_JIT, threads_for
 
 _ROWS_PER_TASK = 64  # block-key rows per compress task (groups of SQUARE_SUM_ROWS: their RMSNorm sums run at once)
@@ -85,17 +86,6 @@ def _flat_plane(blocks: torch.Tensor, plane: int, layer: int) -> tuple[np.ndarra
     span = (pages - 1) * blocks.stride(0) + kv * layers * page_size * heads * dim
     flat = blocks.as_strided((span,), (1,))
     return as_numba(flat), blocks.stride(0), (plane * layers + layer) * page_size * heads * dim
-
-
-@numba.njit(cache=True, nogil=True)
-def _first_missing_page(table, num_pages, page_size, token_counts):
-    """(sequence, first position of the page) of the first page that tokens ``0 .. token_counts[b]-1``
-    need and the table does not hold validly; (-1, -1) if every page is there."""
-    for b in range(token_counts.shape[0]):
-        for logical in range((token_counts[b] + page_size - 1) // page_size):
-            if logical >= table.shape[1] or table[b, logical] < 0 or table[b, logical] >= num_pages:
-                return b, logical * page_size
-    return -1, -1
 
 
 def _page_problem(lookup_table: torch.Tensor, num_pages: int, page_size: int, b: int, t: int) -> str:
@@ -204,7 +194,7 @@ def qsa_compress_keys_paged(block_keys, gamma, freqs_cis, key_counts, blocks, lo
     max_blocks = block_keys.shape[0] // batch
     # host math in numpy: a torch op costs several microseconds each, this whole wrapper ~10
     num_blocks = np.clip(key_counts.numpy().astype(np.int64) // ratio, 0, max_blocks)
-    b, t = _first_missing_page(lookup_table.numpy(), blocks.shape[0], blocks.shape[3], num_blocks * ratio)
+    b, t = first_missing_page(lookup_table.numpy(), blocks.shape[0], blocks.shape[3], num_blocks * ratio)
     if b >= 0:
         raise ValueError(f"paged cache: sequence {b}, position {t}: "
                          f"{_page_problem(lookup_table, blocks.shape[0], blocks.shape[3], b, t)}")
