@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sparsekv import SENTINEL, UINT32_SENTINEL, PagedKVCacheCollection
+from sparsekv import SENTINEL, UINT32_SENTINEL, PagedKVCacheCollection, paged_store
 from sparsekv.cache.layout import packed_page_elements
 
 
@@ -89,6 +89,25 @@ def test_store_load_round_trip_ragged(dtype, lengths, pad, layer, plane, seed):
             start = 3 + page * coll.page_stride + ((plane * 2 + layer) * page_size + t % page_size) * row
             touched[start:start + row] = True
     assert torch.equal(flat[~touched], before[~touched])
+
+
+@pytest.mark.parametrize("plane", [0, 1])
+def test_view_store_is_storage_only_and_writes_what_the_op_writes(monkeypatch, plane):
+    """``PagedKVCache.store`` runs the storage's own address math, without the op registry."""
+    coll, flat, _ = make_collection(num_pages=7, kv=2, layers=2, page_size=4, heads=2, head_size=3,
+                                    cache_lengths=[5, 0, 2], pad=5, dtype=torch.bfloat16, max_seq_length=4)
+    op_coll = PagedKVCacheCollection(torch.empty_like(flat).copy_(flat).as_strided(
+        coll.blocks.shape, coll.blocks.stride(), 3), coll.cache_lengths, coll.lookup_table,
+        max_seq_length=4, max_cache_length=5, page_stride=coll.page_stride)
+    offsets = torch.tensor([0, 4, 5, 7], dtype=torch.int32)
+    values = torch.randn(7, 2, 3).to(torch.bfloat16)
+    paged_store(op_coll, values, offsets, layer_idx=1, plane=plane)
+    monkeypatch.setenv("SPARSEKV_BACKEND", "not-a-backend")  # any op call would raise now
+    view = coll.get_key_cache(1) if plane == 0 else coll.get_value_cache(1)
+    view.store(values, offsets)
+    assert torch.equal(coll.blocks.view(torch.int16), op_coll.blocks.view(torch.int16))
+    with pytest.raises(ValueError, match="SPARSEKV_BACKEND"):
+        paged_store(op_coll, values, offsets, layer_idx=1, plane=plane)
 
 
 @pytest.mark.parametrize("bad_page", [SENTINEL, 9, 1000])

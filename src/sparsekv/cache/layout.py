@@ -29,7 +29,7 @@ import math
 
 import torch
 
-from .._checks import KEY_DTYPES, as_index_tensor, check_int, check_tensor
+from .._checks import KEY_DTYPES, as_index_tensor, check_int, check_offsets, check_tensor
 
 #: Sentinel for an unassigned page in an int32 lookup table.
 SENTINEL = -1
@@ -93,6 +93,36 @@ def resolve_pages(
             )
         raise ValueError(f"paged cache: sequence {b}, position {t}: {why}")
     return pages, positions % page_size
+
+
+def store_rows(
+    blocks: torch.Tensor,
+    values: torch.Tensor,
+    lookup_table: torch.Tensor,
+    cache_lengths: torch.Tensor,
+    input_row_offsets: torch.Tensor,
+    plane: int,
+    layer: int,
+) -> None:
+    """Write ``values [T, H, D]``: row ``i`` of sequence ``b`` to position ``cache_lengths[b] + i``.
+
+    The raw-tensor store under :meth:`PagedKVCache.store` and the reference
+    ``paged_store`` kernel. Arguments as that kernel takes them: ``blocks``
+    ``[num_pages, KV, num_layers, page_size, H, D]``, ``lookup_table`` ``[B, max_pages]``
+    int32, ``cache_lengths`` ``[B]`` int, ``input_row_offsets`` ``[B+1]`` int
+    (already checked: non-decreasing from 0, last entry ``T``), ``plane`` and
+    ``layer`` in range. Every destination page is resolved by
+    :func:`resolve_pages` before the first write, so a missing page raises
+    ``ValueError`` and nothing is written.
+
+    Example: cache lengths ``[5, 0]``, offsets ``[0, 2, 3]``, page size 4 write
+    sequence 0's positions 5, 6 (rows 1, 2 of its logical page 1) and sequence
+    1's position 0.
+    """
+    seq_ids, local = ragged_rows(input_row_offsets)
+    positions = cache_lengths.to(torch.int64)[seq_ids] + local
+    pages, rows = resolve_pages(lookup_table, blocks.shape[0], blocks.shape[3], seq_ids, positions)
+    blocks[pages, plane, layer, rows] = values
 
 
 class PagedKVCacheCollection:
@@ -238,6 +268,34 @@ class PagedKVCacheCollection:
             raise ValueError("get_value_cache: this collection has KV == 1 (keys only); it holds no values")
         return PagedKVCache(self, self._check_layer(layer_idx), plane=1)
 
+    def check_store(self, values: torch.Tensor, input_row_offsets: torch.Tensor, *, layer_idx: int, plane: int,
+                    host_checks: bool) -> torch.Tensor:
+        """Check the arguments of a store into ``plane`` of layer ``layer_idx``; returns the offsets as int32.
+
+        Args:
+            values: ``[T, num_heads, head_size]`` in the cache's dtype, on its device.
+            input_row_offsets: ``[B+1]`` int32/int64, ``T == input_row_offsets[-1]``.
+            layer_idx, plane: which layer, 0 for keys and 1 for values.
+            host_checks: also check the offsets' values (non-decreasing from 0,
+                last one ``T``); this reads them on the host.
+        """
+        check_int("plane", plane, minimum=0)
+        if plane >= self.kv_planes:
+            raise ValueError(f"plane: expected < KV = {self.kv_planes}, got {plane}")
+        self._check_layer(layer_idx)
+        check_tensor("values", values, shape=(None, self.num_heads, self.head_size), dtypes=(self.dtype,),
+                     device=self.device)
+        check_tensor("input_row_offsets", input_row_offsets, shape=(self.batch_size + 1,))
+        offsets = input_row_offsets.to(self.device)
+        if not host_checks:
+            return offsets.to(torch.int32)
+        offsets = check_offsets("input_row_offsets", offsets, batch=self.batch_size)
+        if int(offsets[-1]) != values.shape[0]:
+            raise ValueError(
+                f"input_row_offsets: last offset {int(offsets[-1])} must equal values rows {values.shape[0]}"
+            )
+        return offsets
+
     def cache_length(self, batch_idx: int) -> int:
         """Tokens cached for sequence ``batch_idx`` before this call."""
         check_int("batch_idx", batch_idx, minimum=0)
@@ -292,12 +350,16 @@ class PagedKVCache:
             values: ``[T, num_heads, head_size]`` in the cache's dtype, ``T = input_row_offsets[-1]``.
             input_row_offsets: ``[B+1]`` int, non-decreasing, starting at 0.
 
-        Validates every destination page first; on a sentinel or out-of-range
-        page it raises ``ValueError`` and writes nothing.
+        Validates the arguments and every destination page first (reading them
+        on the host, also for GPU tensors); on a sentinel or out-of-range page
+        it raises ``ValueError`` and writes nothing. The op
+        ``sparsekv.paged_store`` does the same through the chosen backend (on a
+        GPU without host syncs, and under ``torch.compile``).
         """
-        from ..ops.cache import paged_store
-
-        paged_store(self.collection, values, input_row_offsets, layer_idx=self.layer_idx, plane=self.plane)
+        c = self.collection
+        offsets = c.check_store(values, input_row_offsets, layer_idx=self.layer_idx, plane=self.plane,
+                                host_checks=True)
+        store_rows(c.blocks, values, c.lookup_table, c.cache_lengths, offsets, self.plane, self.layer_idx)
 
     def load(self, batch_idx: int, positions: torch.Tensor) -> torch.Tensor:
         """Read tokens ``positions`` (``[n]`` int) of sequence ``batch_idx``: ``[n, num_heads, head_size]``."""

@@ -7,11 +7,11 @@ One layer step of the GLM-5-Next indexer, for a ragged batch whose sequence
     pool_offsets = kpool_pool_row_offsets(offsets, cache_lengths, kpool=4)
     pooled = mla_kpool_compress(k, gate, ape, offsets, pool_offsets, cache_lengths, kpool=4)
     mla_kpool_seed_tail(ring, slot_ids, k, gate, offsets, cache_lengths, kpool=4)
-    # store closed + pooled into the pooled-key cache (sparsekv.cache.pooled), then:
+    # store closed + pooled into the pooled-key cache (sparsekv.ops.kpool_step.store_pooled_keys), then:
     scores = mla_kpool_score(q, head_weights, pooled_cache, layer, query_positions, offsets, kpool=4)
     indices, counts = mla_kpool_expand_topk(scores, query_positions, kpool=4, topk=2048)
 
-``sparsekv.cache.pooled.kpool_indexer_step`` runs the first four and the store
+``sparsekv.ops.kpool_step.kpool_indexer_step`` runs the first four and the store
 in one call. Every op here is a torch custom op ``sparsekv::<name>`` (out-style,
 fake impl returns ``None``) behind a Python function that validates its
 arguments: bad input raises ``ValueError`` (``TypeError`` for a non-tensor, a
