@@ -42,6 +42,7 @@ LAYERS = {
     "sparsekv.demo": 5,
     "sparsekv.demo_checks": 5,
     "sparsekv.demo_report": 5,
+    "sparsekv.demo_tp": 5,
     "sparsekv.bench": 5,
     "sparsekv.integrations": 5,
     "sparsekv.layers": 4,

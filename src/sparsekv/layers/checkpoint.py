@@ -88,6 +88,11 @@ class CheckpointReader:
         with self._safe_open(self._file_of(name), framework="pt") as handle:
             return handle.get_tensor(name)
 
+    def get_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """``get(name)`` narrowed to ``start:stop`` along ``dim``, reading only those elements from the file."""
+        with self._safe_open(self._file_of(name), framework="pt") as handle:
+            return handle.get_slice(name)[(slice(None),) * dim + (slice(start, stop),)]
+
 
 TensorSource = CheckpointReader | Mapping[str, torch.Tensor]
 

@@ -29,6 +29,11 @@ Choices where the SPEC is silent:
 
 One call (SPEC 2.6): project -> store raw indexer keys and main K/V ->
 compress every complete block -> score -> select -> sparse attention -> o_proj.
+
+Tensor parallel (``process_group``, see ``layers/tensor_parallel.py``): a rank
+holds its slice of the query/gate and KV heads (column-parallel ``q_proj``,
+``k_proj``, ``v_proj``), stores and attends over those heads only, and sums
+the row-parallel ``o_proj`` with one all-reduce; the indexer is replicated.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import math
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..cache.layout import PagedKVCacheCollection
@@ -45,6 +51,7 @@ from ..ops.cache import paged_store
 from ..ops.qsa import qsa_block_score, qsa_compress_keys_paged, qsa_select_tokens, qsa_sparse_attention_paged
 from ._common import StageTimerLike, batch_positions, frozen_linear, no_timer
 from .config import Qwen4ExpConfig
+from .tensor_parallel import TensorParallelGroup, WeightSlice, head_slice
 
 
 class RotaryTable:
@@ -152,9 +159,9 @@ class QSAResult(NamedTuple):
     """One layer call. ``indices``/``counts`` are the selection (``None``/all causal tokens in dense mode)."""
 
     output: torch.Tensor  # [T, hidden]
-    attention: torch.Tensor  # [T, heads, head_dim]: gated attention output, before o_proj
-    query: torch.Tensor  # [T, heads, head_dim]: normed, rotated queries
-    gate: torch.Tensor  # [T, heads, head_dim]: output gate logits
+    attention: torch.Tensor  # [T, heads, head_dim]: gated attention output, before o_proj (this rank's heads)
+    query: torch.Tensor  # [T, heads, head_dim]: normed, rotated queries (this rank's heads)
+    gate: torch.Tensor  # [T, heads, head_dim]: output gate logits (this rank's heads)
     indices: torch.Tensor | None  # [T, budget + R - 1] int32
     counts: torch.Tensor  # [T] int32: tokens the attention read per row
     index_q: torch.Tensor  # [T, indexer_n_heads, indexer_head_dim]
@@ -167,9 +174,12 @@ class QSAAttention(nn.Module):
     Args:
         config: the model config.
         dtype, device: of the weights; the caches must share the dtype.
+        process_group: shard the heads over this ``torch.distributed`` group
+            (``None``: one process). ``num_heads`` / ``num_kv_heads`` are then
+            this rank's heads.
 
     Call with a ragged batch: ``hidden_states [T, hidden]``, ``input_row_offsets
-    [B+1]``, the main cache ``kv_cache`` (``KV == 2``, ``num_key_value_heads``
+    [B+1]``, the main cache ``kv_cache`` (``KV == 2``, ``num_kv_heads``
     heads of ``head_dim``) and the indexer cache ``index_cache`` (one head of
     ``indexer_head_dim``), both already holding each sequence's
     ``cache_lengths`` tokens; ``cache_layer`` is this layer's index in both.
@@ -183,11 +193,14 @@ class QSAAttention(nn.Module):
     """
 
     def __init__(self, config: Qwen4ExpConfig, *, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None,
+                 process_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         self.config = config
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.tensor_parallel = TensorParallelGroup(process_group)
+        self.heads = self.tensor_parallel.heads(config.num_attention_heads)
+        self.kv_heads = self.tensor_parallel.kv_heads(config.num_key_value_heads, config.num_attention_heads)
+        self.num_heads, self.num_kv_heads = len(self.heads), len(self.kv_heads)
         self.head_dim = config.head_dim
         self.rotary_dim = config.rotary_dim
         self.scale = config.head_dim ** -0.5
@@ -240,8 +253,22 @@ class QSAAttention(nn.Module):
                 attended = dense_causal_attention(query, kv_cache, cache_layer, input_row_offsets,
                                                   scale=self.scale, gate=gate)
         with timer("qsa.o_proj"):
-            output = self.o_proj(attended.reshape(tokens, self.num_heads * self.head_dim))
+            output = self.tensor_parallel.partial_linear(self.o_proj,
+                                                         attended.reshape(tokens, self.num_heads * self.head_dim))
+        output = self.tensor_parallel.all_reduce_sum(output, self.o_proj.bias, timer)
         return QSAResult(output, attended, query, gate, indices, counts, index_q, positions)
+
+    def tensor_parallel_slices(self) -> dict[str, WeightSlice]:
+        """The checkpoint slices this rank holds (names relative to the layer); the rest is replicated."""
+        total_heads, total_kv = self.config.num_attention_heads, self.config.num_key_value_heads
+        slices = {"q_proj.weight": head_slice(self.heads, 2 * self.head_dim, total_heads),
+                  "k_proj.weight": head_slice(self.kv_heads, self.head_dim, total_kv),
+                  "v_proj.weight": head_slice(self.kv_heads, self.head_dim, total_kv),
+                  "o_proj.weight": head_slice(self.heads, self.head_dim, total_heads, dim=1)}
+        if self.config.attention_bias:
+            slices.update({name.replace("weight", "bias"): slices[name]
+                           for name in ("q_proj.weight", "k_proj.weight", "v_proj.weight")})
+        return slices
 
 
 def dense_causal_attention(q: torch.Tensor, kv_cache: PagedKVCacheCollection, cache_layer: int,
@@ -303,11 +330,14 @@ class Qwen4ExpSlice(nn.Module):
     each QSA layer ``N`` of ``config.qsa_layers``: ``h = h + attn(input_layernorm(h))``
     (``model.layers.N.input_layernorm.weight``, zero-centred RMSNorm). The other
     layers of the real model (linear attention, MLPs) are not part of the slice.
-    Cache layer ``i`` belongs to the slice's ``i``-th QSA layer.
+    Cache layer ``i`` belongs to the slice's ``i``-th QSA layer. With a
+    ``process_group`` the attentions shard their heads (:class:`QSAAttention`);
+    load them with ``layers.tensor_parallel.load_tensor_parallel_weights``.
     """
 
     def __init__(self, config: Qwen4ExpConfig, vocab_size: int, *, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None,
+                 process_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(vocab_size, config.hidden_size, dtype=dtype, device=device)
@@ -315,7 +345,8 @@ class Qwen4ExpSlice(nn.Module):
         self.input_layernorms = nn.ModuleList(
             ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
             for _ in config.qsa_layers)
-        self.attentions = nn.ModuleList(QSAAttention(config, dtype=dtype, device=device) for _ in config.qsa_layers)
+        self.attentions = nn.ModuleList(QSAAttention(config, dtype=dtype, device=device, process_group=process_group)
+                                        for _ in config.qsa_layers)
 
     def checkpoint_modules(self) -> list[tuple[nn.Module, str]]:
         """``(module, checkpoint prefix)`` pairs covering every weight of the slice."""

@@ -1,0 +1,360 @@
+"""Tensor-parallel check: a head-sharded run over ``torch.distributed`` equals the single-process run.
+
+:func:`run_tp_check` (what ``sparsekv demo --tp N`` reports) builds a
+Qwen4Exp QSA slice with seeded weights, saves it as an (unsharded) safetensors
+checkpoint, serves a small workload in this process, then spawns ``tp``
+processes (gloo on CPU, NCCL on CUDA) that each load only their slices of the
+checkpoint and serve the same workload through their own cache manager
+(replicated, see ``layers/tensor_parallel.py``). It compares, step by step:
+
+* the slice's final hidden states (sharded versus single process, within
+  float32 rounding: the row-parallel ``o_proj`` sums in another order);
+* the QSA selections of every layer (equal on every rank and to the single run);
+* the page tables and the prefix-cache hits (equal on every rank and to the single run).
+
+The report dict holds ``tp``, the KV bytes each rank allocates (main cache and
+indexer cache) next to the single process's, and the all-reduce time and volume.
+
+:func:`launch` is the process launcher behind it, usable on its own: it runs
+``worker(process_group, *args)`` on ``world_size`` spawned ranks with a hard
+deadline; the first rank to raise makes :func:`launch` kill the others and
+raise :class:`RankError` with that rank's traceback (no rank is left waiting
+in a collective).
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import os
+import queue
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .cache.manager import CacheGroupSpec, PagedKVCacheManager
+from .demo import DEFAULT_QWEN, StageTimer, seed_parameters
+from .layers.checkpoint import open_checkpoint, save_checkpoint, slice_state
+from .layers.config import Qwen4ExpConfig
+from .layers.qsa import Qwen4ExpSlice
+from .layers.tensor_parallel import load_tensor_parallel_weights
+
+
+class RankError(RuntimeError):
+    """A spawned rank raised (or died, or missed the deadline); ``rank`` names it, the message carries its traceback."""
+
+    def __init__(self, rank: int | None, message: str) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+# ---------------------------------------------------------------------------
+# launcher
+# ---------------------------------------------------------------------------
+def _rank_main(rank: int, world_size: int, init_file: str, backend: str, timeout_s: float, threads: int | None,
+               worker: Callable, args: tuple, results: mp.Queue) -> None:
+    try:
+        if threads is not None:
+            torch.set_num_threads(threads)
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        payload = worker(dist.group.WORLD, *args)
+        results.put((rank, True, payload))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which raises it
+        results.put((rank, False, traceback.format_exc()))
+        results.close()
+        results.join_thread()  # the report is out before this rank's sockets close
+        os._exit(1)  # no process-group teardown: it could wait on the ranks this error leaves behind
+    results.close()
+    results.join_thread()
+    dist.destroy_process_group()
+
+
+def launch(worker: Callable, world_size: int, *args, backend: str = "gloo", timeout_s: float = 120.0,
+           threads_per_rank: int | None = None) -> list:
+    """Run ``worker(process_group, *args)`` on ``world_size`` spawned processes; return each rank's result.
+
+    Args:
+        worker: a module-level function (it is pickled to the ranks); its
+            result must pickle (tensors are best sent as bytes, see :func:`record_bytes`).
+        backend: ``"gloo"`` (CPU tensors) or ``"nccl"`` (one CUDA device per rank).
+        timeout_s: hard deadline for the whole run, and the process group's
+            collective timeout.
+        threads_per_rank: ``torch.set_num_threads`` in each rank (``None``: torch's default).
+
+    Raises :class:`RankError` for the first rank that raises (its traceback
+    in the message), dies without reporting, or is still running at the
+    deadline; the other ranks are killed first. Every rank process is reaped
+    whatever happens.
+    """
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    with tempfile.TemporaryDirectory(prefix="sparsekv-tp-") as scratch:
+        init_file = os.path.join(scratch, "store")
+        ranks = [context.Process(target=_rank_main, daemon=True,
+                                 args=(rank, world_size, init_file, backend, timeout_s, threads_per_rank, worker,
+                                       args, results))
+                 for rank in range(world_size)]
+        try:
+            for process in ranks:
+                process.start()
+            return _collect(ranks, results, time.monotonic() + timeout_s)
+        finally:
+            for process in ranks:
+                if process.is_alive():
+                    process.kill()
+            for process in ranks:
+                process.join()
+            results.close()
+
+
+def _collect(ranks: Sequence, results: mp.Queue, deadline: float) -> list:
+    payloads: dict[int, object] = {}
+    while len(payloads) < len(ranks):
+        try:
+            rank, ok, payload = results.get(timeout=0.2)
+        except queue.Empty:
+            for rank, process in enumerate(ranks):
+                if rank not in payloads and process.exitcode is not None and process.exitcode != 0:
+                    raise RankError(rank, f"rank {rank} exited with code {process.exitcode} without reporting")
+            if time.monotonic() > deadline:
+                late = [rank for rank in range(len(ranks)) if rank not in payloads]
+                raise RankError(late[0], f"ranks {late} did not finish before the deadline") from None
+            continue
+        if not ok:
+            raise RankError(rank, f"rank {rank} raised:\n{payload}")
+        payloads[rank] = payload
+    return [payloads[rank] for rank in range(len(ranks))]
+
+
+def record_bytes(record: object) -> bytes:
+    """``torch.save`` of a record into bytes (sent between processes by value, not by shared memory)."""
+    buffer = io.BytesIO()
+    torch.save(record, buffer)
+    return buffer.getvalue()
+
+
+def record_from_bytes(data: bytes) -> object:
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+# ---------------------------------------------------------------------------
+# the workload
+# ---------------------------------------------------------------------------
+@dataclass
+class TPCheckOptions:
+    """What :func:`run_tp_check` runs: a QSA slice, a page pool and a prefix-sharing workload."""
+
+    tp: int = 2
+    config: Qwen4ExpConfig = field(default_factory=lambda: replace(DEFAULT_QWEN, indexer_budget=32))
+    vocab: int = 512
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+    page_size: int = 8
+    num_pages: int = 64
+    requests: int = 3
+    prompt_tokens: int = 45
+    shared_tokens: int = 24  # leading tokens every prompt shares (whole pages hit the prefix cache)
+    decode_tokens: int = 4
+    seed: int = 0
+    timeout_s: float = 120.0
+    threads_per_rank: int | None = None
+
+
+def _prompts(options: TPCheckOptions) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(options.seed + 101)
+    shared = torch.randint(0, options.vocab, (options.shared_tokens,), generator=generator).tolist()
+    rest = options.prompt_tokens - options.shared_tokens
+    return [shared + torch.randint(0, options.vocab, (rest,), generator=generator).tolist()
+            for _ in range(options.requests + 1)]  # the last one arrives after request 0 left
+
+
+def cache_groups(model: Qwen4ExpSlice, dtype: torch.dtype) -> list[CacheGroupSpec]:
+    """The slice's cache groups on this rank: the main cache holds this rank's KV heads, the indexer's is replicated."""
+    attention, config = model.attentions[0], model.config
+    layers = len(config.qsa_layers)
+    return [CacheGroupSpec("main", 2, layers, attention.num_kv_heads, config.head_dim, dtype),
+            CacheGroupSpec("index", 1, layers, 1, config.indexer_head_dim, dtype)]
+
+
+def serve(model: Qwen4ExpSlice, options: TPCheckOptions) -> dict:
+    """Serve the workload; returns the record the ranks are compared by (CPU tensors and ints).
+
+    Request 0 prefills alone; the others then claim the shared prefix
+    (prefix-cache hits) and prefill together; all decode ``decode_tokens``
+    steps; request 0 is released and a new request with the same prefix
+    claims its cached pages and prefills.
+    """
+    device = torch.device(options.device)
+    manager = PagedKVCacheManager(cache_groups(model, options.dtype), page_size=options.page_size,
+                                  num_pages=options.num_pages, device=device)
+    timer = StageTimer(device)
+    prompts = _prompts(options)
+    decode = torch.randint(0, options.vocab, (options.decode_tokens, options.requests),
+                           generator=torch.Generator().manual_seed(options.seed + 202)).tolist()
+    record: dict = {"hits": [], "tables": [], "outputs": [], "selections": []}
+    state: dict[str, int] = {}  # request id -> index of its prompt
+
+    def claim(rid: str, prompt_index: int) -> None:
+        state[rid] = prompt_index
+        record["hits"].append((rid, manager.claim(rid, prompts[prompt_index])))
+
+    def step(plan: list[tuple[str, list[int]]]) -> None:
+        for rid, tokens in plan:
+            manager.allocate(rid, len(tokens))
+        batch = manager.prepare([rid for rid, _ in plan], [len(tokens) for _, tokens in plan])
+        token_ids = torch.tensor([t for _, tokens in plan for t in tokens], device=device)
+        with torch.no_grad():
+            hidden, results = model(token_ids, input_row_offsets=batch.input_row_offsets,
+                                    kv_cache=batch.collection("main"), index_cache=batch.collection("index"),
+                                    timer=timer)
+        record["outputs"].append(hidden.float().cpu())
+        record["selections"].append([(r.indices.cpu(), r.counts.cpu()) for r in results])
+        record["tables"].append((batch.lookup_table.cpu(), batch.cache_lengths.cpu()))
+        for rid, tokens in plan:
+            manager.step(rid, tokens)
+
+    def prefill(rids: list[str]) -> None:
+        step([(rid, prompts[state[rid]][manager.cache_length(rid):]) for rid in rids])
+
+    started = time.perf_counter()
+    claim("r0", 0)
+    prefill(["r0"])
+    others = [f"r{i}" for i in range(1, options.requests)]
+    for rid in others:
+        claim(rid, int(rid[1:]))
+    prefill(others)
+    live = ["r0", *others]
+    for tokens in decode:
+        step([(rid, [token]) for rid, token in zip(live, tokens)])
+    manager.release("r0")
+    claim("late", options.requests)
+    prefill(["late"])
+    manager.check_invariants()
+    metrics = manager.metrics()
+    attention = model.attentions[0].tensor_parallel
+    record.update(
+        seconds=time.perf_counter() - started,
+        prefix_hit_tokens=metrics.prefix_hit_tokens,
+        prefix_query_tokens=metrics.prefix_query_tokens,
+        kv_bytes={spec.name: manager.blocks(spec.name).numel() * manager.blocks(spec.name).element_size()
+                  for spec in manager.groups},
+        stage_seconds=dict(timer.totals),
+        all_reduce_calls=sum(a.tensor_parallel.all_reduce_calls for a in model.attentions),
+        all_reduce_bytes=sum(a.tensor_parallel.all_reduce_bytes for a in model.attentions),
+        rank=attention.rank,
+        world_size=attention.world_size,
+    )
+    return record
+
+
+def _tp_rank(process_group: dist.ProcessGroup, runs: list[tuple[str, TPCheckOptions]]) -> list[bytes]:
+    """One rank: per run, load this rank's slices of the checkpoint, serve, return the record as bytes."""
+    records = []
+    for checkpoint, options in runs:
+        config, reader = open_checkpoint(checkpoint)
+        model = Qwen4ExpSlice(config, options.vocab, dtype=options.dtype, device=options.device,
+                              process_group=process_group)
+        load_tensor_parallel_weights(model, reader)
+        record = serve(model, options)
+        model.attentions[0].tensor_parallel.check_identical(
+            "page tables and prefix hits", (record["hits"], [table.tolist() for table, _ in record["tables"]]))
+        records.append(record_bytes(record))
+    return records
+
+
+def tp_records(runs: Sequence[TPCheckOptions]) -> list[tuple[dict, list[dict]]]:
+    """Per run, ``(single-process record, [record of each rank])`` of the workload (see :func:`serve`).
+
+    Every run must share ``tp``, ``device``, ``timeout_s`` and
+    ``threads_per_rank``: one launch of ``tp`` processes serves them all.
+    """
+    first = runs[0]
+    for options in runs[1:]:
+        if (options.tp, options.device, options.timeout_s, options.threads_per_rank) != (
+                first.tp, first.device, first.timeout_s, first.threads_per_rank):
+            raise ValueError("runs: expected the same tp, device, timeout_s and threads_per_rank in every run")
+    references = []
+    with tempfile.TemporaryDirectory(prefix="sparsekv-tp-ckpt-") as scratch:
+        checkpoints = []
+        for index, options in enumerate(runs):
+            single = Qwen4ExpSlice(options.config, options.vocab, dtype=options.dtype, device=options.device)
+            seed_parameters(single, options.seed)
+            checkpoint = os.path.join(scratch, f"run{index}")
+            save_checkpoint(checkpoint, options.config, slice_state(single))
+            checkpoints.append(checkpoint)
+            references.append(serve(single, options))
+        backend = "nccl" if torch.device(first.device).type == "cuda" else "gloo"
+        payloads = launch(_tp_rank, first.tp, list(zip(checkpoints, runs)), backend=backend,
+                          timeout_s=first.timeout_s, threads_per_rank=first.threads_per_rank)
+    return [(reference, [record_from_bytes(payload[index]) for payload in payloads])
+            for index, reference in enumerate(references)]
+
+
+def compare_records(reference: dict, ranks: Sequence[dict], *, rtol: float = 1e-4, atol: float = 1e-5) -> dict:
+    """Which of the sharded-equals-single checks hold: ``{check name: bool}`` plus ``max_abs_diff``."""
+    def same_selections(a: dict, b: dict) -> bool:
+        return all(torch.equal(ia, ib) and torch.equal(ca, cb)
+                   for step_a, step_b in zip(a["selections"], b["selections"], strict=True)
+                   for (ia, ca), (ib, cb) in zip(step_a, step_b, strict=True))
+
+    def same_tables(a: dict, b: dict) -> bool:
+        return all(torch.equal(ta, tb) and torch.equal(la, lb)
+                   for (ta, la), (tb, lb) in zip(a["tables"], b["tables"], strict=True))
+
+    diffs = [float((rank_out - ref_out).abs().max())
+             for record in ranks for rank_out, ref_out in zip(record["outputs"], reference["outputs"], strict=True)]
+    close = all(torch.allclose(rank_out, ref_out, rtol=rtol, atol=atol)
+                for record in ranks for rank_out, ref_out in zip(record["outputs"], reference["outputs"]))
+    return {
+        "outputs equal the single-process run": close,
+        "selections equal on every rank and to the single-process run": all(
+            same_selections(record, reference) for record in ranks),
+        "page tables equal on every rank and to the single-process run": all(
+            same_tables(record, reference) for record in ranks),
+        "prefix-cache hits equal on every rank and to the single-process run": all(
+            record["hits"] == reference["hits"] and record["prefix_hit_tokens"] == reference["prefix_hit_tokens"]
+            for record in ranks),
+        "max_abs_diff": max(diffs),
+    }
+
+
+def run_tp_check(options: TPCheckOptions | None = None) -> dict:
+    """Serve the workload single-process and on ``options.tp`` ranks; the report dict (JSON-ready).
+
+    Keys: ``tp``, ``backend``, ``kv_bytes_per_rank`` / ``kv_bytes_single``
+    (``{group: bytes}``: the main cache shrinks by the KV heads a rank holds,
+    the indexer cache is replicated), ``all_reduce_seconds`` (per rank, stage
+    timer), ``all_reduce_calls`` / ``all_reduce_bytes`` (per rank),
+    ``seconds`` (single, per rank), ``max_abs_diff``, ``checks``
+    (``{name: bool}``) and ``passed``.
+    """
+    options = options or TPCheckOptions()
+    [(reference, ranks)] = tp_records([options])
+    checks = compare_records(reference, ranks)
+    max_abs_diff = checks.pop("max_abs_diff")
+    return {
+        "tp": options.tp,
+        "backend": "nccl" if torch.device(options.device).type == "cuda" else "gloo",
+        "kv_bytes_per_rank": ranks[0]["kv_bytes"],
+        "kv_bytes_single": reference["kv_bytes"],
+        "all_reduce_seconds": [r["stage_seconds"].get("tp.all_reduce", 0.0) for r in ranks],
+        "all_reduce_calls": ranks[0]["all_reduce_calls"],
+        "all_reduce_bytes": ranks[0]["all_reduce_bytes"],
+        "seconds": {"single": reference["seconds"], "ranks": [r["seconds"] for r in ranks]},
+        "max_abs_diff": max_abs_diff,
+        "checks": checks,
+        "passed": all(checks.values()),
+    }
+
+
+__all__ = ["RankError", "TPCheckOptions", "cache_groups", "compare_records", "launch", "record_bytes",
+           "record_from_bytes", "run_tp_check", "serve", "tp_records"]

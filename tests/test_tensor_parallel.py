@@ -1,0 +1,161 @@
+"""Tensor parallelism by heads over torch.distributed: 2 CPU processes over gloo, spawned by the tests.
+
+The sharded runs are compared with a single-process run of the same seeded
+weights and workload (``sparsekv.demo_tp.serve``): outputs within float32
+rounding, selections, page tables and prefix-cache hits exactly. Every launch
+has a hard deadline and reaps its processes.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from sparsekv.demo import seed_parameters
+from sparsekv.demo_tp import RankError, TPCheckOptions, compare_records, launch, tp_records
+from sparsekv.layers import QSAAttention, Qwen4ExpConfig
+from sparsekv.layers.checkpoint import CheckpointReader, module_state, save_checkpoint
+from sparsekv.layers.tensor_parallel import RankSliceReader, TensorParallelGroup, head_range, kv_head_range
+
+TINY = Qwen4ExpConfig(hidden_size=48, num_hidden_layers=2, qsa_layers=(0, 1), num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, partial_rotary_factor=0.5, rope_theta=1e4,
+                      indexer_n_heads=2, indexer_head_dim=16, indexer_compress_ratio=4, indexer_budget=8,
+                      attention_bias=True)
+TINY_ONE_KV_HEAD = replace(TINY, num_key_value_heads=1, attention_bias=False)  # the KV head sits on both ranks
+DEADLINE_S = 90.0
+
+
+# ---------------------------------------------------------------------------
+# head split and sharded loading (no processes)
+# ---------------------------------------------------------------------------
+def test_head_ranges_split_query_heads_and_split_or_replicate_kv_heads():
+    assert [head_range(24, rank, 2) for rank in range(2)] == [range(0, 12), range(12, 24)]
+    assert [kv_head_range(2, 24, rank, 2) for rank in range(2)] == [range(0, 1), range(1, 2)]
+    # TP 8 with 2 KV heads: ranks 0-3 hold KV head 0, ranks 4-7 KV head 1, each the group of its 3 query heads.
+    assert [kv_head_range(2, 24, rank, 8).start for rank in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [head_range(24, rank, 8).start // 12 for rank in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert kv_head_range(4, 8, 1, 2) == range(2, 4)
+
+
+@pytest.mark.parametrize("heads, kv_heads, world, match", [
+    (24, 2, 5, "num_attention_heads: 24 heads do not split evenly over a tensor-parallel group of 5"),
+    (12, 3, 2, "num_key_value_heads: 3 KV heads neither split over nor replicate"),
+    (12, 5, 2, "num_key_value_heads: 5 does not divide num_attention_heads 12"),
+])
+def test_head_split_errors_name_the_counts(heads, kv_heads, world, match):
+    with pytest.raises(ValueError, match=match):
+        kv_head_range(kv_heads, heads, 0, world)
+    with pytest.raises(ValueError, match="rank: expected a rank in"):
+        head_range(4, 2, 2)
+
+
+def test_layer_without_process_group_is_one_rank_and_rejects_other_groups():
+    layer = QSAAttention(TINY)
+    assert (layer.tensor_parallel.rank, layer.tensor_parallel.world_size) == (0, 1)
+    assert (layer.num_heads, layer.num_kv_heads) == (4, 2)
+    with pytest.raises(TypeError, match="process_group: expected a torch.distributed.ProcessGroup or None"):
+        TensorParallelGroup("gloo")
+
+
+def test_rank_slice_reader_narrows_sharded_weights_and_checks_their_full_size(tmp_path):
+    layer = QSAAttention(TINY)
+    seed_parameters(layer, 3)
+    prefix = "model.layers.0.self_attn."
+    state = module_state(layer, prefix)
+    save_checkpoint(tmp_path, TINY, state)
+    slices = {prefix + name: value for name, value in layer.tensor_parallel_slices().items()}
+    for name, part in list(slices.items()):  # what rank 1 of 2 holds
+        half = (part.stop - part.start) // 2
+        slices[name] = part._replace(start=half, stop=2 * half)
+    for source in (CheckpointReader(tmp_path), state):
+        reader = RankSliceReader(source, slices)
+        q_rows = reader.get(prefix + "q_proj.weight")
+        assert torch.equal(q_rows, state[prefix + "q_proj.weight"][64:128])  # heads 2, 3: 2 x 2 x 16 rows
+        assert reader.shape(prefix + "o_proj.weight") == (48, 32)
+        assert torch.equal(reader.get(prefix + "o_proj.weight"), state[prefix + "o_proj.weight"][:, 32:])
+        assert torch.equal(reader.get(prefix + "o_proj.bias"), state[prefix + "o_proj.bias"])  # replicated
+    wrong = dict(state, **{prefix + "k_proj.weight": torch.zeros(48, 48)})
+    with pytest.raises(ValueError, match="k_proj.weight' has shape \\(48, 48\\), expected 32 entries along dim 0"):
+        RankSliceReader(wrong, slices).shape(prefix + "k_proj.weight")
+
+
+# ---------------------------------------------------------------------------
+# 2 ranks over gloo against one process
+# ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def runs():
+    options = [TPCheckOptions(tp=2, config=config, vocab=97, page_size=8, num_pages=40, requests=3,
+                              prompt_tokens=45, shared_tokens=24, decode_tokens=3, seed=seed,
+                              timeout_s=DEADLINE_S, threads_per_rank=1)
+               for config, seed in ((TINY, 5), (TINY_ONE_KV_HEAD, 6))]
+    return list(zip(options, tp_records(options)))
+
+
+@pytest.mark.parametrize("which", ["kv heads split", "kv head replicated"])
+def test_two_ranks_equal_one_process(runs, which):
+    options, (single, ranks) = runs[["kv heads split", "kv head replicated"].index(which)]
+    assert [r["rank"] for r in ranks] == [0, 1] and {r["world_size"] for r in ranks} == {2}
+    assert single["world_size"] == 1
+    for record in ranks:
+        assert len(record["outputs"]) == len(single["outputs"]) == 2 + options.decode_tokens + 1
+        for got, want in zip(record["outputs"], single["outputs"]):
+            assert not torch.isnan(got).any()
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for got_step, want_step in zip(record["selections"], single["selections"], strict=True):
+            for (got_idx, got_cnt), (want_idx, want_cnt) in zip(got_step, want_step, strict=True):
+                assert torch.equal(got_idx, want_idx) and torch.equal(got_cnt, want_cnt)
+        for (got_table, got_len), (want_table, want_len) in zip(record["tables"], single["tables"], strict=True):
+            assert torch.equal(got_table, want_table) and torch.equal(got_len, want_len)
+        assert record["hits"] == single["hits"]
+        assert record["prefix_hit_tokens"] == single["prefix_hit_tokens"]
+        # one all-reduce per layer and step, of [T, hidden] float32
+        assert record["all_reduce_calls"] == len(options.config.qsa_layers) * len(single["outputs"])
+        tokens = sum(out.shape[0] for out in single["outputs"])
+        assert record["all_reduce_bytes"] == len(options.config.qsa_layers) * tokens * options.config.hidden_size * 4
+    # the workload exercises what it claims: sparse selections, prefix hits for the later requests
+    counts = torch.cat([cnt for step in single["selections"] for _, cnt in step])
+    assert int(counts.max()) <= options.config.indexer_budget + options.config.indexer_compress_ratio - 1
+    assert int(counts.max()) < options.prompt_tokens
+    hits = dict(single["hits"])
+    assert hits["r0"] == 0 and hits["r1"] == hits["r2"] == hits["late"] == options.shared_tokens
+    assert single["prefix_hit_tokens"] == 3 * options.shared_tokens
+    # each rank's main cache holds its KV heads; the indexer cache is replicated
+    kv_heads = options.config.num_key_value_heads
+    assert ranks[0]["kv_bytes"]["main"] * (2 if kv_heads == 2 else 1) == single["kv_bytes"]["main"]
+    assert ranks[0]["kv_bytes"]["index"] == single["kv_bytes"]["index"]
+
+
+def test_compare_records_flags_a_diverging_rank(runs):
+    _, (single, ranks) = runs[0]
+    assert all(value for name, value in compare_records(single, ranks).items() if name != "max_abs_diff")
+    broken = dict(ranks[1], hits=[("r0", 8)] + ranks[1]["hits"][1:],
+                  outputs=[out + 1e-3 for out in ranks[1]["outputs"]])
+    checks = compare_records(single, [ranks[0], broken])
+    assert not checks["outputs equal the single-process run"]
+    assert not checks["prefix-cache hits equal on every rank and to the single-process run"]
+    assert checks["selections equal on every rank and to the single-process run"]
+
+
+# ---------------------------------------------------------------------------
+# failures: a raising rank ends the run with its error
+# ---------------------------------------------------------------------------
+def _rank_one_raises(process_group):
+    if dist.get_rank(process_group) == 1:
+        raise ValueError("bad shard on rank 1")
+    dist.all_reduce(torch.ones(4), group=process_group)  # would wait for rank 1 forever
+    return "unreachable"
+
+
+def test_a_raising_rank_fails_the_run_fast_with_its_error():
+    started = time.monotonic()
+    with pytest.raises(RankError, match="(?s)rank 1 raised:.*ValueError: bad shard on rank 1") as caught:
+        launch(_rank_one_raises, 2, timeout_s=DEADLINE_S, threads_per_rank=1)
+    assert caught.value.rank == 1
+    assert time.monotonic() - started < DEADLINE_S / 2
+    assert multiprocessing.active_children() == []
+
