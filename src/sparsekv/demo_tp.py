@@ -95,7 +95,7 @@ def launch(worker: Callable, world_size: int, *args, backend: str = "gloo", time
     deadline; the other ranks are killed first. Every rank process is reaped
     whatever happens.
     """
-    context = mp.get_context("spawn")
+    context = _process_context()
     results = context.Queue()
     with tempfile.TemporaryDirectory(prefix="sparsekv-tp-") as scratch:
         init_file = os.path.join(scratch, "store")
@@ -114,6 +114,21 @@ def launch(worker: Callable, world_size: int, *args, backend: str = "gloo", time
             for process in ranks:
                 process.join()
             results.close()
+
+
+def _process_context():
+    """Fork server where the platform has one, else spawn.
+
+    Ranks fork from a server that imported torch and sparsekv once and started
+    no threads, instead of importing them each (seconds per rank). The server
+    also preloads ``torch._dynamo``, which torch imports on the first call of
+    a custom op that goes through the dispatcher.
+    """
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", __name__])
+    return context
 
 
 def _collect(ranks: Sequence, results: mp.Queue, deadline: float) -> list:
