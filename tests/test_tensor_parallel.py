@@ -9,6 +9,7 @@ has a hard deadline and reaps its processes.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import time
 from dataclasses import replace
 
@@ -158,9 +159,22 @@ def _rank_one_raises(process_group):
 
 def test_a_raising_rank_fails_the_run_fast_with_its_error():
     started = time.monotonic()
-    with pytest.raises(RankError, match="(?s)rank 1 raised:.*ValueError: bad shard on rank 1") as caught:
+    with pytest.raises(RankError, match="(?s)rank 1 failed.*ValueError: bad shard on rank 1") as caught:
         launch(_rank_one_raises, 2, timeout_s=DEADLINE_S, threads_per_rank=1)
     assert caught.value.rank == 1
     assert time.monotonic() - started < DEADLINE_S / 2
     assert multiprocessing.active_children() == []
+
+
+def _rank_one_dies(process_group):
+    if dist.get_rank(process_group) == 1:
+        os._exit(3)
+    dist.all_reduce(torch.ones(4), group=process_group)
+    return "unreachable"
+
+
+def test_a_rank_that_dies_without_reporting_fails_the_run():
+    with pytest.raises(RankError, match="(?s)rank 1 failed.*exited without reporting") as caught:
+        launch(_rank_one_dies, 2, timeout_s=DEADLINE_S, threads_per_rank=1)
+    assert caught.value.rank == 1
 

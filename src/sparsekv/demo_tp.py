@@ -27,12 +27,12 @@ from __future__ import annotations
 import datetime
 import io
 import os
-import queue
 import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from multiprocessing.connection import Connection, wait
 
 import torch
 import torch.distributed as dist
@@ -58,7 +58,7 @@ class RankError(RuntimeError):
 # launcher
 # ---------------------------------------------------------------------------
 def _rank_main(rank: int, world_size: int, init_file: str, backend: str, timeout_s: float, threads: int | None,
-               worker: Callable, args: tuple, results: mp.Queue) -> None:
+               worker: Callable, args: tuple, report: Connection) -> None:
     try:
         if threads is not None:
             torch.set_num_threads(threads)
@@ -67,20 +67,19 @@ def _rank_main(rank: int, world_size: int, init_file: str, backend: str, timeout
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
         payload = worker(dist.group.WORLD, *args)
-        results.put((rank, True, payload))
     except BaseException:  # noqa: BLE001 - reported to the parent, which raises it
-        results.put((rank, False, traceback.format_exc()))
-        results.close()
-        results.join_thread()  # the report is out before this rank's sockets close
+        # The report is in the pipe before this rank's sockets close, so it precedes the errors it causes.
+        report.send((False, time.time(), traceback.format_exc()))
+        report.close()
         os._exit(1)  # no process-group teardown: it could wait on the ranks this error leaves behind
-    results.close()
-    results.join_thread()
+    report.send((True, time.time(), payload))
+    report.close()
     dist.destroy_process_group()
 
 
 def launch(worker: Callable, world_size: int, *args, backend: str = "gloo", timeout_s: float = 120.0,
            threads_per_rank: int | None = None) -> list:
-    """Run ``worker(process_group, *args)`` on ``world_size`` spawned processes; return each rank's result.
+    """Run ``worker(process_group, *args)`` on ``world_size`` new processes; return each rank's result.
 
     Args:
         worker: a module-level function (it is pickled to the ranks); its
@@ -90,30 +89,35 @@ def launch(worker: Callable, world_size: int, *args, backend: str = "gloo", time
             collective timeout.
         threads_per_rank: ``torch.set_num_threads`` in each rank (``None``: torch's default).
 
-    Raises :class:`RankError` for the first rank that raises (its traceback
-    in the message), dies without reporting, or is still running at the
-    deadline; the other ranks are killed first. Every rank process is reaped
-    whatever happens.
+    Raises :class:`RankError` for the rank that raised first (its traceback
+    in the message; errors other ranks raise within a moment after, such as
+    a closed connection, are named too), for a rank that dies without
+    reporting, or when ranks are still running at the deadline; the other
+    ranks are killed first. Every rank process is reaped whatever happens.
     """
     context = _process_context()
-    results = context.Queue()
     with tempfile.TemporaryDirectory(prefix="sparsekv-tp-") as scratch:
         init_file = os.path.join(scratch, "store")
-        ranks = [context.Process(target=_rank_main, daemon=True,
-                                 args=(rank, world_size, init_file, backend, timeout_s, threads_per_rank, worker,
-                                       args, results))
-                 for rank in range(world_size)]
+        ranks, reports = [], []
         try:
-            for process in ranks:
+            for rank in range(world_size):
+                reader, writer = context.Pipe(duplex=False)
+                process = context.Process(target=_rank_main, daemon=True,
+                                          args=(rank, world_size, init_file, backend, timeout_s, threads_per_rank,
+                                                worker, args, writer))
                 process.start()
-            return _collect(ranks, results, time.monotonic() + timeout_s)
+                writer.close()  # the rank holds the only writer: its exit reads as end of file here
+                ranks.append(process)
+                reports.append(reader)
+            return _collect(reports, time.monotonic() + timeout_s)
         finally:
             for process in ranks:
                 if process.is_alive():
                     process.kill()
             for process in ranks:
                 process.join()
-            results.close()
+            for reader in reports:
+                reader.close()
 
 
 def _process_context():
@@ -131,23 +135,40 @@ def _process_context():
     return context
 
 
-def _collect(ranks: Sequence, results: mp.Queue, deadline: float) -> list:
+ERROR_GRACE_S = 0.5  # after a rank's error, how long to wait for the errors it causes elsewhere
+
+
+def _collect(reports: Sequence[Connection], deadline: float) -> list:
     payloads: dict[int, object] = {}
-    while len(payloads) < len(ranks):
-        try:
-            rank, ok, payload = results.get(timeout=0.2)
-        except queue.Empty:
-            for rank, process in enumerate(ranks):
-                if rank not in payloads and process.exitcode is not None and process.exitcode != 0:
-                    raise RankError(rank, f"rank {rank} exited with code {process.exitcode} without reporting")
-            if time.monotonic() > deadline:
-                late = [rank for rank in range(len(ranks)) if rank not in payloads]
-                raise RankError(late[0], f"ranks {late} did not finish before the deadline") from None
-            continue
-        if not ok:
-            raise RankError(rank, f"rank {rank} raised:\n{payload}")
-        payloads[rank] = payload
-    return [payloads[rank] for rank in range(len(ranks))]
+    errors: list[tuple[float, int, str]] = []  # (time raised, rank, traceback)
+    errors_deadline = deadline
+    pending = dict(enumerate(reports))
+    while pending:
+        now = time.monotonic()
+        if errors and now > errors_deadline:
+            break
+        if now > deadline:
+            raise RankError(min(pending), f"ranks {sorted(pending)} did not finish before the deadline")
+        limit = (errors_deadline if errors else deadline) - now
+        for reader in wait(list(pending.values()), timeout=min(limit, 1.0)):
+            rank = next(r for r, conn in pending.items() if conn is reader)
+            del pending[rank]
+            try:
+                ok, stamp, payload = reader.recv()
+            except EOFError:
+                ok, stamp, payload = False, time.time(), "exited without reporting (killed, or crashed)"
+            if ok:
+                payloads[rank] = payload
+                continue
+            if not errors:
+                errors_deadline = time.monotonic() + ERROR_GRACE_S
+            errors.append((stamp, rank, payload))
+    if errors:
+        stamp, rank, text = min(errors)
+        others = [r for _, r, _ in sorted(errors) if r != rank]
+        also = f" (ranks {others} failed after it)" if others else ""
+        raise RankError(rank, f"rank {rank} failed{also}:\n{text}")
+    return [payloads[rank] for rank in range(len(reports))]
 
 
 def record_bytes(record: object) -> bytes:
