@@ -67,6 +67,7 @@ def _rank_main(rank: int, world_size: int, init_file: str, backend: str, timeout
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
         payload = worker(dist.group.WORLD, *args)
+        dist.barrier()  # no rank leaves (closing its connections) while another still needs them
     except BaseException:  # noqa: BLE001 - reported to the parent, which raises it
         # The report is in the pipe before this rank's sockets close, so it precedes the errors it causes.
         report.send((False, time.time(), traceback.format_exc()))
