@@ -178,3 +178,15 @@ def test_a_rank_that_dies_without_reporting_fails_the_run():
         launch(_rank_one_dies, 2, timeout_s=DEADLINE_S, threads_per_rank=1)
     assert caught.value.rank == 1
 
+
+
+def _ranks_disagree(process_group):
+    group = TensorParallelGroup(process_group)
+    group.check_identical("same on both", [1, 2, 3])
+    group.check_identical("page tables", [[0, 1], [2, 3 + group.rank]])
+    return "unreachable"
+
+
+def test_check_identical_raises_when_ranks_diverge():
+    with pytest.raises(RankError, match="page tables: differs across tensor-parallel ranks \\(ranks \\[1\\]"):
+        launch(_ranks_disagree, 2, timeout_s=DEADLINE_S, threads_per_rank=1)
