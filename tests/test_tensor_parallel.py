@@ -190,3 +190,65 @@ def _ranks_disagree(process_group):
 def test_check_identical_raises_when_ranks_diverge():
     with pytest.raises(RankError, match="page tables: differs across tensor-parallel ranks \\(ranks \\[1\\]"):
         launch(_ranks_disagree, 2, timeout_s=DEADLINE_S, threads_per_rank=1)
+
+
+# ---------------------------------------------------------------------------
+# MLA: heads of q_b_proj / kv_b_proj / o_proj sharded, latent cache replicated
+# ---------------------------------------------------------------------------
+def _mla_run(model, config, tokens, chunks, mode):
+    from sparsekv.cache.manager import PagedKVCacheManager
+    from sparsekv.layers.dsa import mla_cache_groups
+
+    manager = PagedKVCacheManager(mla_cache_groups(config, torch.float32), page_size=8, num_pages=16)
+    manager.claim("r")
+    done, outputs, selections = 0, [], []
+    for n in chunks:
+        manager.allocate("r", n)
+        batch = manager.prepare(["r"], [n])
+        with torch.no_grad():
+            hidden, per_layer = model(tokens[done:done + n], input_row_offsets=batch.input_row_offsets,
+                                      latent_cache=batch.collection("latent"),
+                                      index_cache=batch.collection("indexer"), mode=mode)
+        manager.step("r", [0] * n)
+        outputs.append(hidden)
+        selections.append([(r.indices, r.counts) for r in per_layer])
+        done += n
+    return torch.cat(outputs), selections, manager.blocks("latent").numel()
+
+
+def _mla_rank(process_group, config):
+    from sparsekv.layers.checkpoint import slice_state
+    from sparsekv.layers.mla import MlaSlice
+    from sparsekv.layers.tensor_parallel import load_tensor_parallel_weights
+
+    single = MlaSlice(config, 50)
+    seed_parameters(single, 6)
+    sharded = MlaSlice(config, 50, process_group=process_group)
+    load_tensor_parallel_weights(sharded, slice_state(single))
+    tokens = torch.randint(0, 50, (29,), generator=torch.Generator().manual_seed(4))
+    report = {"heads": sharded.attentions[0].num_heads, "q_b_rows": sharded.attentions[0].q_b_proj.weight.shape[0]}
+    for mode in ("absorbed", "expanded"):
+        want, want_sel, want_latent = _mla_run(single, config, tokens, [13, 1, 1, 14], mode)
+        got, got_sel, got_latent = _mla_run(sharded, config, tokens, [13, 1, 1, 14], mode)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for got_step, want_step in zip(got_sel, want_sel, strict=True):
+            for (gi, gc), (wi, wc) in zip(got_step, want_step, strict=True):
+                assert torch.equal(gi, wi) and torch.equal(gc, wc)
+        assert got_latent == want_latent  # the latent cache is per token: replicated, not split
+    return report
+
+
+def test_mla_two_ranks_equal_one_process():
+    import inspect
+
+    mla = pytest.importorskip("sparsekv.layers.mla")
+    if "process_group" not in inspect.signature(mla.MlaSparseAttention).parameters:
+        pytest.skip("this MLA layer takes no process group")
+    from sparsekv.layers.config import GlmMoeDsaConfig
+
+    config = GlmMoeDsaConfig(hidden_size=40, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                             q_lora_rank=24, kv_lora_rank=20, qk_rope_head_dim=8, qk_nope_head_dim=12,
+                             v_head_dim=10, index_n_heads=4, index_head_dim=16, index_topk=9,
+                             indexer_types=("full", "shared"), attention_bias=True)
+    reports = launch(_mla_rank, 2, config, timeout_s=DEADLINE_S, threads_per_rank=1)
+    assert reports == [{"heads": 2, "q_b_rows": 2 * (12 + 8)}] * 2
