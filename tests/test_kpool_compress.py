@@ -236,7 +236,7 @@ def _good_args():
         (dict(input_row_offsets=torch.tensor([0, 10])), r"input_row_offsets: expected shape \(3,\)"),
         (dict(input_row_offsets=torch.tensor([0, 7, 5])), "input_row_offsets: expected non-decreasing"),
         (dict(input_row_offsets=torch.tensor([1, 7, 10])), r"input_row_offsets: expected offsets\[0\] == 0"),
-        (dict(input_row_offsets=torch.tensor([0, 7, 9])), "must equal k rows 10"),
+        (dict(input_row_offsets=torch.tensor([0, 7, 9])), "expected the last offset to equal the 10 rows of k, got 9"),
         (dict(pool_row_offsets=torch.tensor([0, 2, 2])), r"pool_row_offsets: expected \[0, 1, 1\]"),
         (dict(pool_row_offsets=torch.tensor([0, 1])), r"pool_row_offsets: expected shape \(3,\)"),
         (dict(pool_row_offsets=torch.tensor([0, 0, 1])), r"pool_row_offsets: expected \[0, 1, 1\]"),
@@ -247,7 +247,7 @@ def _good_args():
 def test_compress_errors(change, message):
     args = _good_args()
     args.update(change)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(TypeError if "dtype" in message else ValueError, match=message):
         mla_kpool_compress(**args, kpool=4)
 
 
@@ -278,3 +278,24 @@ def test_compress_custom_op_passes_opcheck():
         (pooled, args["k"], args["gate"], args["ape"], offsets, args["pool_row_offsets"].to(torch.int32),
          args["cache_lengths"].to(torch.int32), 4, "softmax"),
     )
+
+
+@pytest.mark.parametrize("cache_lengths, message", [
+    (torch.tensor([-8, 0]), "cache_lengths: expected values >= 0, got -8 at index 0"),
+    (torch.tensor([2**40, 0]), r"cache_lengths: expected values that fit in int32 .* got 1099511627776 at index 0"),
+])
+def test_pool_row_offsets_refuses_what_compress_refuses(cache_lengths, message):
+    offsets = torch.tensor([0, 8, 8])
+    with pytest.raises(ValueError, match=message):
+        kpool_pool_row_offsets(offsets, cache_lengths, kpool=4)
+    args = _good_args()
+    args.update(input_row_offsets=torch.tensor([0, 8, 10]), cache_lengths=cache_lengths, pool_row_offsets=None)
+    with pytest.raises(ValueError, match=message):
+        mla_kpool_compress(**args, kpool=4)
+
+
+def test_pool_row_offsets_refuses_bad_offsets():
+    with pytest.raises(ValueError, match="input_row_offsets: expected non-decreasing"):
+        kpool_pool_row_offsets(torch.tensor([0, 8, 5]), torch.tensor([0, 0]), kpool=4)
+    with pytest.raises(ValueError, match=r"input_row_offsets: expected shape \(3,\)"):
+        kpool_pool_row_offsets(torch.tensor([0, 8]), torch.tensor([0, 0]), kpool=4)

@@ -185,13 +185,14 @@ def test_kernel_errors_name_row_and_position(backend):
     fn = (ref_qsa if backend == "reference" else cpu_qsa).qsa_sparse_attention_paged
     out, lse = torch.empty_like(q), torch.empty(2, 4)
     indices = torch.tensor([[0, 1, 2], [3, -1, 5]], dtype=torch.int32)
-    with pytest.raises(ValueError, match="row 1, entry 1"):
+    with pytest.raises(ValueError, match="row 1, entry 1 .* is position -1 of sequence 1: position -1 is negative"):
         fn(out, lse, q, coll.blocks, coll.lookup_table, indices, torch.tensor([3, 2], dtype=torch.int32),
            offsets.int(), 0, 1.0, None)
     table = coll.lookup_table.clone()
     table[1, 1] = -1  # positions 4..7 of sequence 1
     indices = torch.tensor([[0, 1, 2], [3, 6, 5]], dtype=torch.int32)
-    with pytest.raises(ValueError, match="row 1.*sequence 1, position 6"):
+    with pytest.raises(ValueError, match=r"indices: row 1, entry 1 \(inside the counted region, counts\[1\] = 3\) "
+                                         r"is position 6 of sequence 1: its page \(lookup_table\[1, 1\]\) is the sentinel"):
         fn(out, lse, q, coll.blocks, table, indices, torch.tensor([3, 3], dtype=torch.int32), offsets.int(), 0,
            1.0, None)
     # the same bad entries past the counts are never read
@@ -222,3 +223,16 @@ def test_public_errors():
     keys_only = make_collection(coll.blocks[:, :1], coll.lookup_table, [5, 8])
     with pytest.raises(ValueError, match="KV == 2"):
         qsa_sparse_attention_paged(q, keys_only, 0, indices, counts, offsets, scale=1.0)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_raising_kernel_leaves_outputs_untouched(backend):
+    coll, q, offsets = _attention_setup()
+    fn = (ref_qsa if backend == "reference" else cpu_qsa).qsa_sparse_attention_paged
+    out, lse = torch.full_like(q, float("nan")), torch.full((2, 4), 7.0)
+    out_before, lse_before = out.clone(), lse.clone()
+    indices = torch.tensor([[0, 1, 2], [3, 4, 99]], dtype=torch.int32)  # row 1's last entry: beyond the table
+    with pytest.raises(ValueError, match="row 1, entry 2 .* position 99 of sequence 1: logical page 24 is beyond"):
+        fn(out, lse, q, coll.blocks, coll.lookup_table, indices, torch.tensor([3, 3], dtype=torch.int32),
+           offsets.int(), 0, 1.0, None)
+    assert torch.equal(out.isnan(), out_before.isnan()) and torch.equal(lse, lse_before), "wrote before raising"

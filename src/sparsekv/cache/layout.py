@@ -29,7 +29,7 @@ import math
 
 import torch
 
-from .._checks import KEY_DTYPES, as_index_tensor, check_int, check_tensor
+from .._checks import KEY_DTYPES, as_index_tensor, check_int, check_nonnegative, check_tensor, host_array, host_checks
 
 #: Sentinel for an unassigned page in an int32 lookup table.
 SENTINEL = -1
@@ -51,6 +51,63 @@ def ragged_rows(input_row_offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return seq_ids, local
 
 
+def page_problem(lookup_table: torch.Tensor, num_pages: int, page_size: int, b: int, t: int) -> str | None:
+    """Why position ``t`` of sequence ``b`` has no valid page, in the words every page error uses;
+    ``None`` when it has one. ``lookup_table``: ``[B, max_pages]`` int32 (sentinel ``-1``)."""
+    if t < 0:
+        return f"position {t} is negative"
+    logical = t // page_size
+    if logical >= lookup_table.shape[1]:
+        return f"logical page {logical} is beyond the lookup table's {lookup_table.shape[1]} columns"
+    page = int(lookup_table[b, logical])
+    if page == SENTINEL:
+        return f"its page (lookup_table[{b}, {logical}]) is the sentinel (unassigned)"
+    if not 0 <= page < num_pages:
+        return f"its page (lookup_table[{b}, {logical}]) is {page}, outside [0, {num_pages})"
+    return None
+
+
+def page_error(lookup_table: torch.Tensor, num_pages: int, page_size: int, b: int, t: int) -> ValueError:
+    """The ``ValueError`` for a missing page: ``paged cache: sequence b, position t: <page_problem>``."""
+    return ValueError(f"paged cache: sequence {b}, position {t}: "
+                      f"{page_problem(lookup_table, num_pages, page_size, b, t)}")
+
+
+def first_missing_page(lookup_table: torch.Tensor, num_pages: int, page_size: int,
+                       token_counts: torch.Tensor) -> tuple[int, int] | None:
+    """``(sequence, first position of the page)`` of the first page that tokens ``0 .. token_counts[b]-1``
+    of some sequence need and the table does not validly hold, or ``None``.
+
+    Memory and time in proportion to the lookup table, whatever the counts
+    (a count past the table's end is found without expanding it).
+    """
+    counts = token_counts.to(torch.int64).cpu().clamp_min(0)
+    table = lookup_table.cpu()
+    columns = table.shape[1]
+    pages_needed = (counts + page_size - 1) // page_size
+    needed = torch.arange(columns)[None, :] < pages_needed[:, None]  # [B, columns]
+    bad = needed & ((table < 0) | (table >= num_pages))
+    first_bad = torch.where(bad.any(dim=1), bad.to(torch.int8).argmax(dim=1), torch.where(
+        pages_needed > columns, columns, -1))
+    seqs = torch.nonzero(first_bad >= 0).flatten()
+    if seqs.numel() == 0:
+        return None
+    b = int(seqs[0])
+    return b, int(first_bad[b]) * page_size
+
+
+def check_needed_pages(lookup_table: torch.Tensor, num_pages: int, page_size: int,
+                       token_counts: torch.Tensor) -> None:
+    """Raise :func:`page_error` unless tokens ``0 .. token_counts[b]-1`` of every sequence have a valid page.
+
+    Bounded like :func:`first_missing_page`; names the sequence and the first
+    position of the first missing page.
+    """
+    missing = first_missing_page(lookup_table, num_pages, page_size, token_counts)
+    if missing is not None:
+        raise page_error(lookup_table, num_pages, page_size, *missing)
+
+
 def resolve_pages(
     lookup_table: torch.Tensor,
     num_pages: int,
@@ -64,9 +121,9 @@ def resolve_pages(
         lookup_table: ``[B, max_pages]`` int32 (sentinel ``-1``).
         seq_ids, positions: int tensors of the same shape.
 
-    Returns int64 ``pages`` and ``rows`` of that shape. Raises ``ValueError``
-    naming the first (sequence, position) whose page is negative, beyond the
-    table, a sentinel or outside ``[0, num_pages)``.
+    Returns int64 ``pages`` and ``rows`` of that shape. Raises
+    :func:`page_error` for the first (sequence, position) whose page is
+    negative, beyond the table, a sentinel or outside ``[0, num_pages)``.
     """
     seq_ids = seq_ids.to(torch.int64)
     positions = positions.to(torch.int64)
@@ -78,20 +135,8 @@ def resolve_pages(
     valid = in_table & (pages >= 0) & (pages < num_pages)
     if not bool(valid.all()):
         bad = int(torch.nonzero(~valid.reshape(-1))[0])
-        b = int(seq_ids.reshape(-1)[bad])
-        t = int(positions.reshape(-1)[bad])
-        if t < 0:
-            why = "a negative position"
-        elif t // page_size >= max_pages:
-            why = f"logical page {t // page_size} is beyond the lookup table's {max_pages} columns"
-        else:
-            page = int(lookup_table[b, t // page_size])
-            why = (
-                "its page is unassigned (sentinel)"
-                if page == SENTINEL
-                else f"its page {page} is outside [0, {num_pages})"
-            )
-        raise ValueError(f"paged cache: sequence {b}, position {t}: {why}")
+        raise page_error(lookup_table, num_pages, page_size, int(seq_ids.reshape(-1)[bad]),
+                         int(positions.reshape(-1)[bad]))
     return pages, positions % page_size
 
 
@@ -103,7 +148,8 @@ class PagedKVCacheCollection:
             bf16/fp16/fp32, ``KV`` in {1, 2}; dims after the first contiguous.
         cache_lengths: ``[B]`` int32/uint32/int64, tokens cached *before* this call.
         lookup_table: ``[B, max_pages]`` int32/uint32/int64 page ids, sentinel for none.
-        max_seq_length: largest number of new tokens of one sequence in this call.
+        max_seq_length: largest number of new tokens of one sequence in this call (an int):
+            storing more rows than that for one sequence is an error.
         max_cache_length: largest ``cache_lengths`` entry.
         page_stride: elements between consecutive pages, ``-1`` for packed.
             Must equal ``blocks.stride(0)`` (a padded stride is expressed by
@@ -160,25 +206,19 @@ class PagedKVCacheCollection:
             )
         self.blocks = blocks
         self.page_stride = actual_stride
-        self.cache_lengths = as_index_tensor("cache_lengths", cache_lengths, ndim=1).to(blocks.device)
+        self.cache_lengths = check_nonnegative(
+            "cache_lengths", as_index_tensor("cache_lengths", cache_lengths, ndim=1).to(blocks.device))
         self.lookup_table = as_index_tensor("lookup_table", lookup_table, ndim=2).to(blocks.device)
-        batch = self.cache_lengths.shape[0]
-        if self.lookup_table.shape[0] != batch:
-            raise ValueError(
-                f"lookup_table: expected {batch} rows (batch size from cache_lengths), "
-                f"got {self.lookup_table.shape[0]}"
-            )
-        self.max_seq_length = check_int("max_seq_length", int(max_seq_length), minimum=0)
-        self.max_cache_length = check_int("max_cache_length", int(max_cache_length), minimum=0)
-        if self.cache_lengths.device.type == "cpu" and batch > 0:
-            lengths = self.cache_lengths
-            if bool((lengths < 0).any()):
-                raise ValueError(f"cache_lengths: expected values >= 0 (< 2**31), got {lengths.tolist()}")
-            if int(lengths.max()) > self.max_cache_length:
-                raise ValueError(
-                    f"max_cache_length: expected >= max(cache_lengths) = {int(lengths.max())}, "
-                    f"got {self.max_cache_length}"
-                )
+        if self.lookup_table.shape[0] != self.batch_size:
+            raise ValueError(f"lookup_table: expected {self.batch_size} rows (batch size from cache_lengths), "
+                             f"got {self.lookup_table.shape[0]}")
+        self.max_seq_length = check_int("max_seq_length", max_seq_length, minimum=0)
+        self.max_cache_length = check_int("max_cache_length", max_cache_length, minimum=0)
+        if host_checks(blocks.device) and self.batch_size > 0:
+            longest = int(host_array(self.cache_lengths).max())
+            if longest > self.max_cache_length:
+                raise ValueError(f"max_cache_length: expected >= max(cache_lengths) = {longest}, "
+                                 f"got {self.max_cache_length}")
 
     # ---- shape facts -----------------------------------------------------
     @property

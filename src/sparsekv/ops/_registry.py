@@ -29,8 +29,9 @@ from collections.abc import Callable
 
 import torch
 
+from .._checks import DEBUG_ENV, debug_checks  # noqa: F401 - the debug switch lives with the checks it enables
+
 BACKEND_ENV = "SPARSEKV_BACKEND"
-DEBUG_ENV = "SPARSEKV_DEBUG"
 BACKENDS = ("reference", "cpu", "triton")
 
 
@@ -42,11 +43,6 @@ def triton_status() -> tuple[bool, str]:
     except Exception as exc:  # pragma: no cover - depends on the machine
         return False, f"triton is not importable ({exc})"
     return True, "ok"
-
-
-def debug_checks() -> bool:
-    """True when ``SPARSEKV_DEBUG`` asks device ops for host-side validation."""
-    return os.environ.get(DEBUG_ENV, "0") not in ("", "0", "false", "False")
 
 
 def choose_backend(device: torch.device) -> str:
