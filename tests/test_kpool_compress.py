@@ -85,10 +85,10 @@ def test_pool_row_offsets_counts_whole_pools(kpool):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("dim", [64, 128])
 @pytest.mark.parametrize("kpool", [1, 2, 4, 16])
-def test_compress_matches_brute_force(kpool, dim, dtype):
+def test_compress_matches_brute_force(kpool, dim, dtype, seed):
     layout = batch_layout(kpool)
     lengths, cache = [n for n, _ in layout], [c for _, c in layout]
-    k, gate, offsets, gen = ragged_batch(lengths, dim, dtype, seed=1000 * kpool + dim)
+    k, gate, offsets, gen = ragged_batch(lengths, dim, dtype, seed=seed)
     ape = torch.randn(kpool, dim, generator=gen)
     cache_t = torch.tensor(cache, dtype=torch.int32)
     pool_offsets = kpool_pool_row_offsets(offsets, cache_t, kpool=kpool)
@@ -104,8 +104,8 @@ def test_compress_matches_brute_force(kpool, dim, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("mode", ["softmax", "mean", "last"])
-def test_kpool_one_returns_k_exactly(dtype, mode):
-    k, gate, offsets, gen = ragged_batch([5, 0, 7], 64, dtype, seed=7)
+def test_kpool_one_returns_k_exactly(dtype, mode, seed):
+    k, gate, offsets, gen = ragged_batch([5, 0, 7], 64, dtype, seed=seed)
     k[0, :3] = torch.tensor([-0.0, float("inf"), 1e-30]).to(dtype)  # signed zero, inf, tiny survive
     ape = torch.randn(1, 64, generator=gen)
     cache = torch.tensor([3, 0, 11], dtype=torch.int32)
@@ -170,11 +170,11 @@ def test_strided_inputs_and_out():
 # cpu fast path == reference on random odd shapes
 # ---------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("seed", [11, 12, 13])
-def test_cpu_backend_matches_reference(dtype, seed):
+@pytest.mark.parametrize("case", [0, 1, 3])
+def test_cpu_backend_matches_reference(dtype, case, seed):
     gen = torch.Generator().manual_seed(seed)
-    kpool = [2, 3, 4, 16][seed % 4]
-    dim = [60, 64, 96, 128][seed % 4]
+    kpool = [2, 3, 4, 16][case]
+    dim = [60, 64, 96, 128][case]
     batch = int(torch.randint(1, 7, (1,), generator=gen))
     lengths = torch.randint(0, 90, (batch,), generator=gen).tolist()
     cache = torch.randint(0, 40, (batch,), generator=gen).to(torch.int32)
