@@ -22,7 +22,8 @@ Targets (the ``target`` column): memory-bound kernels >= 70% of copy
 bandwidth; sparse decode attention at 32k tokens, budget 2048, >= 8x faster
 than dense. The ``check`` column is the SPEC 4 comparison with the reference,
 the same rule as the kernel tests (``tests/spec4.py``: fp32 within 1e-5
-relative, bf16 at most one ulp apart and >= 99% equal, selections exact). Exit status 1 when a check fails or a case errors.
+relative, bf16 at most one ulp apart and >= 99% equal, selections exact).
+Exit status 1 when a check fails or a case errors.
 """
 
 from __future__ import annotations

@@ -190,8 +190,9 @@ def test_kernel_errors_name_row_and_position(backend):
     table = coll.lookup_table.clone()
     table[1, 1] = -1  # positions 4..7 of sequence 1
     indices = torch.tensor([[0, 1, 2], [3, 6, 5]], dtype=torch.int32)
-    with pytest.raises(ValueError, match=r"indices: row 1, entry 1 \(inside the counted region, counts\[1\] = 3\) "
-                                         r"is position 6 of sequence 1: its page \(lookup_table\[1, 1\]\) is the sentinel"):
+    message = (r"indices: row 1, entry 1 \(inside the counted region, counts\[1\] = 3\) "
+               r"is position 6 of sequence 1: its page \(lookup_table\[1, 1\]\) is the sentinel")
+    with pytest.raises(ValueError, match=message):
         fn(out, lse, q, coll.blocks, table, indices, torch.tensor([3, 3], dtype=torch.int32), offsets.int(), 0,
            1.0, None)
     # the same bad entries past the counts are never read
