@@ -107,6 +107,13 @@ def check_float(name: str, value: object, *, minimum: float | None = None, posit
     return value
 
 
+def check_instance(name: str, value: object, cls: type) -> object:
+    """Check that ``value`` is a ``cls`` (``TypeError`` naming what it is otherwise). Returns it."""
+    if not isinstance(value, cls):
+        raise TypeError(f"{name}: expected a {cls.__name__}, got {type(value).__name__}")
+    return value
+
+
 def check_bool(name: str, value: object) -> bool:
     """Check that ``value`` is a bool (``0``/``1`` refused)."""
     if not isinstance(value, bool):

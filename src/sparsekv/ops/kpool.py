@@ -37,8 +37,8 @@ from typing import NamedTuple
 
 import torch
 
-from .._checks import (KEY_DTYPES, as_index_tensor, check_bool, check_int, check_nonnegative, check_offsets,
-                       check_tensor, host_array, host_checks)
+from .._checks import (KEY_DTYPES, as_index_tensor, check_bool, check_instance, check_int, check_nonnegative,
+                       check_offsets, check_tensor, host_array, host_checks)
 from ..cache.layout import PagedKVCacheCollection
 from ..kernels.reference.kpool import MODES, check_score_pages, pool_counts
 from ._registry import kernel, out_op
@@ -332,10 +332,7 @@ def mla_kpool_score(q: torch.Tensor, head_weights: torch.Tensor, pooled_collecti
     ``scores[1, 1] == -inf``.
     """
     _check_kpool(kpool)
-    if not isinstance(pooled_collection, PagedKVCacheCollection):
-        raise TypeError(f"pooled_collection: expected a PagedKVCacheCollection, got "
-                        f"{type(pooled_collection).__name__}")
-    pc = pooled_collection
+    pc = check_instance("pooled_collection", pooled_collection, PagedKVCacheCollection)
     pc._check_layer(layer_idx)
     if pc.num_heads != 1:
         raise ValueError(f"pooled_collection: expected one head (one pooled key per pool), got {pc.num_heads}")

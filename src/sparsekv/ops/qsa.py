@@ -22,8 +22,9 @@ import numba
 import numpy as np
 import torch
 
-from .._checks import (KEY_DTYPES, as_index_tensor, check_bool, check_float, check_freqs_cis_rows, check_int,
-                       check_nonnegative, check_offsets, check_same_dtype, check_tensor, host_array, host_checks)
+from .._checks import (KEY_DTYPES, as_index_tensor, check_bool, check_float, check_freqs_cis_rows, check_instance,
+                       check_int, check_nonnegative, check_offsets, check_same_dtype, check_tensor, host_array,
+                       host_checks)
 from ..cache.layout import PagedKVCacheCollection, check_needed_pages
 from ._registry import kernel, out_op
 from .select import SelectedTokens, select_blocks_expand
@@ -89,12 +90,6 @@ def _sparse_attention_op(
 
 # ---- helpers ---------------------------------------------------------------
 
-def _check_collection(value: object) -> PagedKVCacheCollection:
-    if not isinstance(value, PagedKVCacheCollection):
-        raise TypeError(f"kv_collection: expected a sparsekv.PagedKVCacheCollection, got {type(value).__name__}")
-    return value
-
-
 def _check_row_offsets(offsets: torch.Tensor, batch: int, total_rows: int, device: torch.device) -> torch.Tensor:
     check_tensor("input_row_offsets", offsets, ndim=1)
     return check_offsets("input_row_offsets", offsets.to(device), batch=batch, total=total_rows, total_of="q rows")
@@ -148,7 +143,7 @@ def qsa_compress_keys_paged(
     pool tokens 0..3 and 4..7 of sequence 0, rows 2-5 are zero (9 // 4 = 2
     blocks; 3 // 4 = 0 blocks).
     """
-    c = _check_collection(kv_collection)
+    c = check_instance("kv_collection", kv_collection, PagedKVCacheCollection)
     c._check_layer(layer_idx)
     check_int("ratio", ratio, minimum=1)
     eps = check_float("eps", eps, minimum=0.0)
@@ -350,7 +345,7 @@ def qsa_sparse_attention_paged(
     position 5, already stored), ``indices = [[0, 1, 5, -1]]``, ``counts = [3]``:
     the row attends over tokens 0, 1 and 5.
     """
-    c = _check_collection(kv_collection)
+    c = check_instance("kv_collection", kv_collection, PagedKVCacheCollection)
     c._check_layer(layer_idx)
     if c.kv_planes != 2:
         raise ValueError(f"kv_collection: expected a K/V cache (KV == 2), got KV == {c.kv_planes}")
