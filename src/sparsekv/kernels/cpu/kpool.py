@@ -50,7 +50,7 @@ import torch
 from numba import types
 from numba.extending import overload
 
-from ...cache.layout import resolve_pages
+from ..reference.kpool import score_page_error
 from ._bits import as_numba, narrow, widen
 from ._dot_tile import (KEYS_PER_TASK, KEYS_PER_TILE, VECTOR, dots_of_rows, new_scratch, plan_score_tasks,
                         relu_sums, score_task, transpose_dots)
@@ -264,12 +264,14 @@ def _visibility(positions, offsets, kpool, out_cols):
     return visible, needed, total
 
 
-def _check_score_pages(pooled_blocks, lookup_table, needed):
-    """``ValueError`` (the reference's wording: the first bad pool) unless every visible pool has a page."""
+def _check_score_pages(pooled_blocks, lookup_table, needed, query_positions, input_row_offsets, kpool):
+    """The reference's :func:`~sparsekv.kernels.reference.kpool.score_page_error` unless every visible pool
+    has a page (found by a numba loop over the table, without temporaries)."""
     per_page = pooled_blocks.shape[3]
     seq, pool = first_missing_page(lookup_table.numpy(), pooled_blocks.shape[0], per_page, needed)
     if seq >= 0:
-        resolve_pages(lookup_table, pooled_blocks.shape[0], per_page, torch.tensor([seq]), torch.tensor([pool]))
+        raise score_page_error(lookup_table, pooled_blocks.shape[0], per_page, query_positions, input_row_offsets,
+                               kpool, seq, pool)
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
@@ -323,7 +325,7 @@ def mla_kpool_score(scores, q, head_weights, pooled_blocks, lookup_table, query_
         return
     offsets = input_row_offsets.numpy()
     visible, needed, total_visible = _visibility(query_positions.numpy(), offsets, kpool, out_cols)
-    _check_score_pages(pooled_blocks, lookup_table, needed)
+    _check_score_pages(pooled_blocks, lookup_table, needed, query_positions, input_row_offsets, kpool)
     num_pages, planes, layers, per_page, _, dim = pooled_blocks.shape
     if num_pages == 0:  # validated above: no row sees a pool
         cache, page_stride = pooled_blocks.new_empty(0), 0
