@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import json
 import os
 import sys
@@ -30,8 +29,8 @@ PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 def output_path_problem(option: str, path: str, suffixes: tuple[str, ...] | None = None) -> str | None:
     """Why ``path`` cannot receive the output of ``option`` (``None`` when it can), found before any work runs.
 
-    The path must name a file (not a folder) in an existing folder that we may
-    write to, ending in one of ``suffixes`` when given. An existing file is
+    The path must name a file (not a folder) in an existing, writable folder,
+    ending in one of ``suffixes`` when given. An existing file is
     opened for appending and closed (its contents and size stay as they are);
     otherwise a temporary file is created in the folder and removed.
     """
@@ -56,9 +55,11 @@ def output_path_problem(option: str, path: str, suffixes: tuple[str, ...] | None
 
 def plot_problem(path: str) -> str | None:
     """Why ``--plot path`` cannot work (matplotlib missing, bad suffix or place), else ``None``."""
-    if importlib.util.find_spec("matplotlib") is None:
-        return ("--plot needs matplotlib, which is not installed; install it with `pip install matplotlib` "
-                "(or `pip install sparsekv[bench]`)")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as err:
+        return (f"--plot needs matplotlib, which cannot be imported ({err}); install it with "
+                "`pip install matplotlib` (or `pip install sparsekv[bench]`)")
     return output_path_problem("--plot", path, PLOT_SUFFIXES)
 
 

@@ -410,8 +410,8 @@ class DemoServer:
 
         ``progress`` (a ``tqdm`` bar) counts estimated work, not tokens: each
         step adds its :meth:`ServingWork.step` and the total is re-estimated
-        after it (prefix-cache hits, known at admission, shrink it), so the
-        rate and the ETA hold from prefill through decode.
+        after it (:meth:`work_left`), so the rate and the ETA hold from
+        prefill through decode.
         """
         mgr, decode_tokens = self.manager, self.options.decode_tokens
         waiting = deque(self.new_request(f"req{i}", prompt) for i, prompt in enumerate(prompts))
