@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from sparsekv.kernels.cpu._bits import as_numba
-from sparsekv.kernels.cpu._dot_tile import (KEYS_PER_TASK, KEYS_PER_TILE, SQUARE_SUM_ROWS, VECTOR, WEIGHTED_CHANNELS,
-                                            WEIGHTED_HEADS, _target_has_bf16_dot, dots_of_gathered_rows,
-                                            dots_of_rows, gather_rows, square_sums_in_order, tile_dots,
-                                            transpose_dots, weighted_rows)
+from sparsekv.kernels.cpu._tile_ir import (KEYS_PER_TILE, SQUARE_SUM_ROWS, VECTOR, WEIGHTED_CHANNELS, WEIGHTED_HEADS,
+                                          _target_has_bf16_dot)
+from sparsekv.kernels.cpu._tile_ops import (KEYS_PER_TASK, dots_of_gathered_rows, dots_of_rows, gather_rows,
+                                           square_sums_in_order, tile_dots, transpose_dots, weighted_rows)
 
 
 def _bf16_bits(x: np.ndarray) -> np.ndarray:
@@ -87,7 +87,8 @@ def test_float32_tile_runs_the_channels_in_order(dim):
 
 _SUBPROCESS = """
 import json, sys, numpy as np
-from sparsekv.kernels.cpu._dot_tile import _target_has_bf16_dot, tile_dots
+from sparsekv.kernels.cpu._tile_ir import _target_has_bf16_dot
+from sparsekv.kernels.cpu._tile_ops import tile_dots
 q_pairs = np.array(json.loads(sys.argv[1]), np.uint32).view(np.int32)
 chunk = np.array(json.loads(sys.argv[2]), np.uint16)
 dots = np.zeros((chunk.shape[0], q_pairs.shape[1]), np.float32)
