@@ -72,7 +72,7 @@ def score_task(task, task_starts, num_keys, offsets):
 def relu_sums(totals, lane_dots, lane0, heads, weights):
     """``totals[i] = sum_h weights[h] * relu(lane_dots[lane0 + h, i])`` for ``i < len(totals)``, each sum
     ``0 + ... `` in head order ``h = 0 .. heads-1``, one multiply and one add per term (a weight of 1
-    changes no bit); relu keeps NaN. ``lane_dots [lanes, keys]`` from :func:`transpose_dots`, so the
+    changes no bit); relu keeps NaN. ``lane_dots [lanes, keys]`` from :func:`._tile_ops.transpose_dots`, so the
     inner loop runs over contiguous keys, vectorised."""
     seen = totals.shape[0]
     totals[:] = 0.0

@@ -411,7 +411,7 @@ def transpose_block(typingctx, dots, dots_t, key0, lane0):
 
 
 SQUARE_SUM_ROWS = 2 * KEYS_PER_TILE
-"""Rows whose sums of squares :func:`square_sums_in_order` computes at once (two independent chains of 8)."""
+"""Rows whose squares :func:`add_block_squares` sums at once (two independent chains of 8)."""
 
 
 @intrinsic
