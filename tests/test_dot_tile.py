@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import llvmlite
 import numba
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ import torch
 
 from sparsekv.kernels.cpu._bits import as_numba
 from sparsekv.kernels.cpu._tile_ir import (KEYS_PER_TILE, SQUARE_SUM_ROWS, VECTOR, WEIGHTED_CHANNELS, WEIGHTED_HEADS,
-                                          _target_has_bf16_dot)
+                                          _check_llvmlite_for_bfloat, _target_has_bf16_dot)
 from sparsekv.kernels.cpu._tile_ops import (KEYS_PER_TASK, dots_of_gathered_rows, dots_of_rows, gather_rows,
                                            square_sums_in_order, tile_dots, transpose_dots, weighted_rows)
 
@@ -111,6 +112,12 @@ def test_fallback_without_vdpbf16ps_gives_the_instructions_bits(tmp_path):
     dots = np.zeros((KEYS_PER_TILE, VECTOR), np.float32)
     tile_dots(dots, q_pairs, chunk, VECTOR, KEYS_PER_TILE)
     assert np.array_equal(np.array(emulated["dots"], np.uint32), dots.view(np.uint32))
+
+
+def test_an_llvmlite_older_than_the_bfloat_operands_is_refused_by_name(monkeypatch):
+    monkeypatch.setattr(llvmlite, "__version__", "0.44.0")
+    with pytest.raises(ImportError, match=r"llvmlite >= 0\.45 \(numba >= 0\.62\); this llvmlite is 0\.44\.0"):
+        _check_llvmlite_for_bfloat()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
