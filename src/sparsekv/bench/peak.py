@@ -23,7 +23,7 @@ import numba
 import numpy as np
 import torch
 
-from ..kernels.cpu._dot_tile import KEYS_PER_TASK, tile_dots
+from ..kernels.cpu._tile_ops import KEYS_PER_TASK, tile_dots
 
 _LANES = 16  # one vector of lanes, as the score kernels' tile
 _CHANNELS = 128

@@ -52,8 +52,9 @@ from numba.extending import overload
 
 from ..reference.kpool import score_page_error
 from ._bits import as_numba, narrow, widen
-from ._dot_tile import (KEYS_PER_TASK, KEYS_PER_TILE, VECTOR, dots_of_rows, new_scratch, plan_score_tasks,
-                        relu_sums, score_task, transpose_dots)
+from ._score_tasks import plan_score_tasks, relu_sums, score_task
+from ._tile_ir import KEYS_PER_TILE, VECTOR
+from ._tile_ops import KEYS_PER_TASK, dots_of_rows, new_scratch, transpose_dots
 from ._math import exp_f32
 from ._pages import first_missing_page
 from ._parallel import numba_threads, threads_for

@@ -64,10 +64,10 @@ from ..._checks import check_freqs_cis_rows
 from ...cache.layout import page_error
 from ..reference.qsa import counted_entry_error
 from ._bits import as_numba, narrow, widen
-from ._dot_tile import (KEYS_PER_TASK, KEYS_PER_TILE, SQUARE_SUM_ROWS, VECTOR, WEIGHTED_CHANNELS,
-                        dots_of_gathered_rows, dots_of_rows, gather_rows, new_query_tiles, new_scratch,
-                        new_value_scratch, plan_score_tasks, put_query, relu_sums, score_task, square_sums_in_order,
-                        transpose_dots, weighted_rows)
+from ._score_tasks import plan_score_tasks, relu_sums, score_task
+from ._tile_ir import KEYS_PER_TILE, SQUARE_SUM_ROWS, VECTOR, WEIGHTED_CHANNELS
+from ._tile_ops import (KEYS_PER_TASK, dots_of_gathered_rows, dots_of_rows, gather_rows, new_query_tiles, new_scratch,
+                        new_value_scratch, put_query, square_sums_in_order, transpose_dots, weighted_rows)
 from ._math import exp_f32
 from ._pages import first_missing_page
 from ._parallel import PARALLEL_JIT, threads_for
