@@ -33,7 +33,7 @@ What each kernel is made of, and why (measured with ``benchmarks/bench_kpool.py`
 * score: one numba pass, one task per (sequence, chunk of 128 pools): the
   chunk's pooled keys are read in place, page by page, through the page table
   (bf16 as bits, no copy), by each group of the sequence's rows in register
-  tiles (:mod:`._dot_tile`: every dot product the same chain in a fixed
+  tiles (:mod:`._tile_ops`: every dot product the same chain in a fixed
   channel order; bf16 pairs through ``VDPBF16PS``), then relu and the
   head-weighted sum in head order, run over each head's pools contiguously
   (the tile's dots transposed first: 0.056 -> 0.02 ms at B=4, t=8191, 32
@@ -282,7 +282,7 @@ def _score_kernel(scores, q, head_weights, cache, page_stride, base, per_page, t
 
     Task = (sequence, chunk of its pools): each group of the sequence's rows
     runs over the chunk's pooled keys page by page, read in place through the
-    page table (:func:`._dot_tile.dots_of_rows`); a row's score is
+    page table (:func:`._tile_ops.dots_of_rows`); a row's score is
     ``sum_h w_h * relu(dot_h)`` summed in head order. ``q_t[group]``
     holds a row group's queries transposed, ``[D, lanes]``, zero padding lanes.
     """

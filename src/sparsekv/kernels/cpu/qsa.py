@@ -7,7 +7,7 @@ What each kernel is made of, and why (measured with ``benchmarks/bench_qsa.py``)
   applies RMSNorm and RoPE on a scratch row and writes the block key once. The
   reference gathers the keys into a new tensor and makes about ten float32
   temporaries of them. The RMSNorm sums of squares of 16 blocks run as the
-  lanes of two vectors (:func:`._dot_tile.square_sums_in_order`: still one
+  lanes of two vectors (:func:`._tile_ops.square_sums_in_order`: still one
   ordered chain per block, 2.3x fewer cycles than 8 interleaved scalar
   chains), and the RoPE loops write the output row directly (each loop then
   writes one array that none of its reads share, which LLVM vectorises).
@@ -18,7 +18,7 @@ What each kernel is made of, and why (measured with ``benchmarks/bench_qsa.py``)
   are read in place (float32, or bf16 as bits; fp16 widened into scratch),
   and each group of the sequence's rows (about 32 (row, head) lanes, queries
   transposed) runs over them in register tiles of 16 lanes x 8 keys
-  (:mod:`._dot_tile`: fused multiply-adds, or for bf16 ``VDPBF16PS`` on
+  (:mod:`._tile_ops`: fused multiply-adds, or for bf16 ``VDPBF16PS`` on
   channel pairs, twice the multiply-adds per instruction). Each dot product is
   the same chain in a fixed channel order whatever shares its tile, so a
   row's scores do not depend on which other rows share the call (SPEC 2.6); a
@@ -30,7 +30,7 @@ What each kernel is made of, and why (measured with ``benchmarks/bench_qsa.py``)
   the selected keys where they lie in the pages (their flat starts from the
   page table; each tile prefetches the next tile's keys), the softmax per
   head with a vectorised float32 ``exp`` (:func:`._math.exp_f32`), and ``P @
-  V`` with a second register tile (:func:`._dot_tile.weighted_rows`: 8 heads
+  V`` with a second register tile (:func:`._tile_ops.weighted_rows`: 8 heads
   x 32 channels of accumulators, tokens in order) on values gathered 128 at
   a time with a prefetch 8 tokens ahead, then divides once. Nothing the size
   of the history is materialised; dense SDPA would read all of it. Keys read
@@ -226,7 +226,7 @@ def _block_score_kernel(scores, q, keys, offsets, positions, ratio, max_blocks, 
     """``scores [total_q, out_cols]``; ``q [total_q, heads, D]``; ``keys [B*max_blocks, D]``.
 
     Task = (sequence, chunk of its block keys): each group of the sequence's
-    rows runs over the chunk's keys, read in place (:func:`._dot_tile.dots_of_rows`).
+    rows runs over the chunk's keys, read in place (:func:`._tile_ops.dots_of_rows`).
     ``q_t[group]`` holds a row group's queries transposed, lane ``row*heads +
     h``, zeros in the padding lanes.
     """
@@ -309,11 +309,11 @@ def _sparse_attention_kernel(out, lse, q, cache, page_stride, key_base, value_ba
 
     The group's query heads are the lanes of one query tile; the selected
     keys are scored where they lie in the pages (fp16 and odd-``D`` bf16:
-    converted first) by :func:`._dot_tile.dots_of_gathered_rows` (``logits
+    converted first) by :func:`._tile_ops.dots_of_gathered_rows` (``logits
     [count, lanes]``). The softmax runs over each lane (a head) with
     :func:`._math.exp_f32`; then the values are gathered ``KEYS_PER_TASK`` at
     a time (prefetched ahead) and summed into ``acc [lanes, D]`` by
-    :func:`._dot_tile.weighted_rows` (tokens in order) and divided once.
+    :func:`._tile_ops.weighted_rows` (tokens in order) and divided once.
     """
     total_q, q_heads, dim = q.shape
     group = q_heads // kv_heads
