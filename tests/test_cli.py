@@ -7,13 +7,17 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
 
 from sparsekv import cli
-from sparsekv.demo import seed_parameters
-from sparsekv.layers import Glm5NextIndexerSlice, load_config, save_checkpoint, slice_state
+from sparsekv.demo import (DEFAULT_GLM, DEFAULT_QWEN, DemoOptions, DemoServer, build_models, make_workload,
+                           seed_parameters)
+from sparsekv.demo_sweep import DENSE_LAYOUTS, sdpa_decode_attention
+from sparsekv.demo_work import ServingWork, _sum_floor_div, _sum_min
+from sparsekv.layers import Glm5NextIndexerSlice, Qwen4ExpSlice, load_config, save_checkpoint, slice_state
 
 SMALL_QWEN = {"model_type": "qwen4_exp", "hidden_size": 32, "num_hidden_layers": 2, "qsa_layers": [0, 1],
               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "partial_rotary_factor": 0.5,
@@ -140,7 +144,7 @@ def test_demo_usage_errors(capsys, tmp_path):
     assert "--dtype" in capsys.readouterr().err
 
 
-def test_demo_plot_needs_matplotlib(capsys, tmp_path, small_configs):
+def test_demo_plot(capsys, tmp_path, small_configs):
     plot = tmp_path / "decode.png"
     code = cli.main(["demo", *small_configs, *SMALL_RUN, "--sweep-context", "64", "--plot", str(plot)])
     captured = capsys.readouterr()
@@ -149,16 +153,199 @@ def test_demo_plot_needs_matplotlib(capsys, tmp_path, small_configs):
         assert "--plot needs matplotlib" in captured.err
     else:
         assert code == 0 and plot.stat().st_size > 0
-        assert "decode step time" in captured.out
+        assert "attention time of one decode token" in captured.out
 
 
-def test_demo_sweep_times_both_modes(capsys, small_configs):
+@pytest.fixture
+def no_run(monkeypatch):
+    """Fail the test if the demo starts: a bad output path must stop the command first. (``bench`` prints
+    "running ..." before each benchmark module; the tests check stderr for it.)"""
+    import sparsekv.demo
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the demo ran although its output path is unusable")
+
+    monkeypatch.setattr(sparsekv.demo, "run_demo", refuse)
+
+
+def _with_matplotlib(monkeypatch, present: bool) -> None:
+    """Make ``import matplotlib`` succeed (a stand-in module: nothing is plotted) or fail."""
+    monkeypatch.setitem(sys.modules, "matplotlib", types.ModuleType("matplotlib") if present else None)
+
+
+@pytest.mark.parametrize("command", ["demo", "bench"])
+def test_bad_plot_paths_fail_before_running(capsys, tmp_path, monkeypatch, no_run, command):
+    _with_matplotlib(monkeypatch, True)
+    (tmp_path / "a_file").write_text("")
+    cases = {
+        str(tmp_path / "missing" / "x.png"): "does not exist",
+        str(tmp_path / "a_file" / "x.png"): "does not exist",
+        str(tmp_path / "plot.txt"): "ending in .png, .svg, .pdf",
+        str(tmp_path / "plot"): "ending in .png",
+        "/proc/sparsekv-plot.png": "cannot write",
+    }
+    (tmp_path / "folder.png").mkdir()
+    cases[str(tmp_path / "folder.png")] = "expected a file name, got the folder"
+    for path, reason in cases.items():
+        assert cli.main([command, "--plot", path]) == 2, path
+        err = capsys.readouterr().err
+        assert f"sparsekv {command}: error: --plot" in err and reason in err and path in err, err
+        assert "running" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "folder.png"]  # no probe file left behind
+
+
+def test_plot_without_matplotlib_fails_before_running(capsys, tmp_path, monkeypatch, no_run):
+    _with_matplotlib(monkeypatch, False)
+    for command in ("demo", "bench"):
+        assert cli.main([command, "--plot", str(tmp_path / "x.png")]) == 2
+        err = capsys.readouterr().err
+        assert "--plot needs matplotlib" in err and "running" not in err
+
+
+def test_bench_json_path_fails_before_running(capsys, tmp_path, no_run):
+    assert cli.main(["bench", "--quick", "--json", str(tmp_path / "missing" / "rows.json")]) == 2
+    err = capsys.readouterr().err
+    assert "--json: the folder" in err and "running" not in err
+    assert cli.main(["bench", "--quick", "--json", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "--json: expected a file name, got the folder" in err and "running" not in err
+
+
+def test_output_path_accepts_new_and_existing_files(tmp_path):
+    assert cli.output_path_problem("--plot", str(tmp_path / "new.PNG"), cli.PLOT_SUFFIXES) is None
+    existing = tmp_path / "old.json"
+    existing.write_text("keep")
+    assert cli.output_path_problem("--json", str(existing)) is None
+    assert existing.read_text() == "keep" and not (tmp_path / "new.PNG").exists()
+
+
+def test_demo_sweep_times_sparse_and_dense_sdpa(capsys, small_configs):
     code, report = _run_json(capsys, ["demo", *small_configs, *SMALL_RUN, "--sweep", "--sweep-context", "300",
                                       "--json"])
     assert code == 0
     contexts = [p["context"] for p in report["decode_sweep"]]
     assert contexts == [128, 256, 300]  # powers of two from 128 below --sweep-context, then --sweep-context
-    assert all(p["sparse_ms"] > 0 and p["dense_ms"] > 0 for p in report["decode_sweep"])
+    assert all(p["sparse_ms"] > 0 and p["dense_ms"] > 0 and p["dense_layout"] in DENSE_LAYOUTS
+               for p in report["decode_sweep"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_sdpa_decode_attention_layouts_equal_the_formula(dtype):
+    seed = int(torch.randint(0, 2**31, ()))
+    print(f"seed {seed}")
+    generator = torch.Generator().manual_seed(seed)
+    heads, kv_heads, n, head_dim, scale = 6, 2, 37, 20, 0.3
+    query, gate = (torch.randn(heads, head_dim, generator=generator).to(dtype) for _ in range(2))
+    keys, values = (torch.randn(1, kv_heads, n, head_dim, generator=generator).to(dtype) for _ in range(2))
+    kv_of_head = torch.arange(heads) // (heads // kv_heads)
+    logits = torch.einsum("hd,hnd->hn", query.float(), keys[0, kv_of_head].float()) * scale
+    expected = torch.einsum("hn,hnd->hd", torch.softmax(logits, dim=-1), values[0, kv_of_head].float())
+    expected = expected * torch.sigmoid(gate.float())
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 3e-2}[dtype]
+    for layout in DENSE_LAYOUTS:
+        got = sdpa_decode_attention(query, keys, values, gate, scale=scale, layout=layout)
+        assert got.dtype == dtype and not got.isnan().any()
+        torch.testing.assert_close(got.float(), expected, rtol=tolerance, atol=tolerance)
+    with pytest.raises(ValueError, match="layout"):
+        sdpa_decode_attention(query, keys, values, gate, scale=scale, layout="columns")
+
+
+# ---------------------------------------------------------------------------
+# progress bar units
+# ---------------------------------------------------------------------------
+def test_work_closed_forms_equal_the_sums():
+    for first in range(0, 9):
+        for last in range(first - 1, 23):
+            for cap in (1, 4, 11):
+                assert _sum_min(first, last, cap) == sum(min(u, cap) for u in range(first, last + 1))
+    for last in range(-1, 30):
+        for divisor in (1, 3, 4):
+            assert _sum_floor_div(last, divisor) == sum(u // divisor for u in range(1, last + 1))
+
+
+def _default_work() -> ServingWork:
+    qwen = Qwen4ExpSlice(DEFAULT_QWEN, 4096, device="meta")
+    glm = Glm5NextIndexerSlice(DEFAULT_GLM, 4096, device="meta")
+    return ServingWork.for_models(qwen, glm, 4096)
+
+
+def test_work_counts_the_models_projections():
+    q, g, hidden = DEFAULT_QWEN, DEFAULT_GLM, 256
+    per_qsa_layer = (hidden * q.num_attention_heads * 2 * q.head_dim + 2 * hidden * q.num_key_value_heads * q.head_dim
+                     + q.num_attention_heads * q.head_dim * hidden + hidden * (q.indexer_n_heads + 1) * q.indexer_head_dim)
+    per_glm_layer = (hidden * g.q_lora_rank + g.q_lora_rank * g.index_n_heads * g.index_head_dim
+                     + 2 * hidden * g.index_head_dim + hidden * g.index_n_heads)
+    work = _default_work()
+    assert work.projection_macs == 2 * per_qsa_layer + per_glm_layer
+    assert work.qsa_window == 259 and work.logits_macs == hidden * 4096
+
+
+def test_work_makes_prefill_and_decode_steps_comparable():
+    work = _default_work()
+    prefill = work.step([(1536, 512)])  # one 512-token chunk of a 2048-token prompt
+    decode = work.step([(2048, 1)] * 8)  # eight requests decoding at 2048
+    # Tokens would say 64; the fixed step cost keeps a prefill step at a few decode steps, as measured.
+    assert 3 < prefill / decode < 8
+    # Sparse attention reads at most budget + R - 1 tokens, so a decode row costs little more at 32k than at 2k.
+    assert work.step([(32768, 1)]) / work.step([(2048, 1)]) < 1.1
+    # Rows cost the same split in any chunking, apart from per-chunk and per-step costs.
+    assert work.rows(0, 100) == pytest.approx(work.rows(0, 37) + work.rows(37, 100))
+    assert work.rows(5, 5) == 0.0
+
+
+def test_work_remaining_matches_the_steps_of_a_schedule():
+    work = ServingWork(projection_macs=1000, qsa_layers=2, qsa_attention_macs=10, qsa_window=11, qsa_ratio=4,
+                       qsa_score_macs=3, qsa_compress_macs=2, kpool_layers=1, kpool_score_macs=5, kpool=4,
+                       logits_macs=7, step_overhead_macs=5000)
+    # Two requests of 20 prompt tokens and 3 decode steps each, 16 tokens per step: prefill 16 | 4 + 12 |
+    # 1 + 8 (decode of the first, rest of the second), then decodes side by side.
+    steps = [[(0, 16)], [(16, 4), (0, 12)], [(20, 1), (12, 8)], [(21, 1), (20, 1)], [(22, 1), (21, 1)],
+             [(22, 1)]]
+    done = sum(work.step(chunks) for chunks in steps)
+    estimate = work.remaining([(0, 20, 3), (0, 20, 3)], step_tokens=16)
+    assert estimate == pytest.approx(done, rel=0.02)
+    # After the schedule's first three steps (both prompts done, the first request decoded once), the estimate of
+    # what is left is exact here.
+    assert work.remaining([(21, 20, 2), (20, 20, 3)], step_tokens=16) == pytest.approx(
+        sum(work.step(chunks) for chunks in steps[3:]))
+    assert work.remaining([], step_tokens=16) == 0.0
+
+
+class _RecordingBar:
+    """The part of a tqdm bar that ``DemoServer.serve`` uses, recording (n, total) after each update."""
+
+    def __init__(self) -> None:
+        self.n, self.total, self.history = 0.0, None, []
+
+    def refresh(self) -> None:
+        pass
+
+    def update(self, amount: float) -> None:
+        self.n += amount
+        self.history.append((self.n, self.total))
+
+
+def test_progress_counts_work_and_ends_full(small_configs):
+    options = DemoOptions(configs=[small_configs[1], small_configs[3]], requests=3, context=40, decode_tokens=3,
+                          page_size=8, step_tokens=24, shared_prefix=24, progress=False)
+    qwen, glm, vocab, _ = build_models(options, torch.device("cpu"), torch.float32)
+    server = DemoServer(qwen, glm, options, torch.device("cpu"), torch.float32, num_pages=3 * 6)
+    bar = _RecordingBar()
+    first_total = None
+
+    def record_first(self_bar=bar):
+        nonlocal first_total
+        if first_total is None:
+            first_total = self_bar.total
+
+    bar.refresh = record_first
+    server.serve(make_workload(3, 40, 24, vocab, 0), bar)
+    assert len(bar.history) == server.totals.steps
+    assert all(n <= total * (1 + 1e-12) for n, total in bar.history)
+    assert bar.history[-1][0] == pytest.approx(bar.history[-1][1])  # the bar ends full
+    assert [n for n, _ in bar.history] == sorted(n for n, _ in bar.history)
+    # The first estimate (prefix hits foreseen) is within a step's cost of the end: 6 steps estimated, 7 run.
+    assert first_total == pytest.approx(bar.n, rel=0.2)
 
 
 def test_bench_quick_cache(capsys, tmp_path):

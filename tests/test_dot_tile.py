@@ -7,16 +7,17 @@ import os
 import subprocess
 import sys
 
+import llvmlite
 import numba
 import numpy as np
 import pytest
 import torch
 
 from sparsekv.kernels.cpu._bits import as_numba
-from sparsekv.kernels.cpu._dot_tile import (KEYS_PER_TASK, KEYS_PER_TILE, SQUARE_SUM_ROWS, VECTOR, WEIGHTED_CHANNELS,
-                                            WEIGHTED_HEADS, _target_has_bf16_dot, dots_of_gathered_rows,
-                                            dots_of_rows, gather_rows, square_sums_in_order, tile_dots,
-                                            transpose_dots, weighted_rows)
+from sparsekv.kernels.cpu._tile_ir import (KEYS_PER_TILE, SQUARE_SUM_ROWS, VECTOR, WEIGHTED_CHANNELS, WEIGHTED_HEADS,
+                                          _check_llvmlite_for_bfloat, _target_has_bf16_dot)
+from sparsekv.kernels.cpu._tile_ops import (KEYS_PER_TASK, dots_of_gathered_rows, dots_of_rows, gather_rows,
+                                           square_sums_in_order, tile_dots, transpose_dots, weighted_rows)
 
 
 def _bf16_bits(x: np.ndarray) -> np.ndarray:
@@ -87,7 +88,8 @@ def test_float32_tile_runs_the_channels_in_order(dim):
 
 _SUBPROCESS = """
 import json, sys, numpy as np
-from sparsekv.kernels.cpu._dot_tile import _target_has_bf16_dot, tile_dots
+from sparsekv.kernels.cpu._tile_ir import _target_has_bf16_dot
+from sparsekv.kernels.cpu._tile_ops import tile_dots
 q_pairs = np.array(json.loads(sys.argv[1]), np.uint32).view(np.int32)
 chunk = np.array(json.loads(sys.argv[2]), np.uint16)
 dots = np.zeros((chunk.shape[0], q_pairs.shape[1]), np.float32)
@@ -110,6 +112,12 @@ def test_fallback_without_vdpbf16ps_gives_the_instructions_bits(tmp_path):
     dots = np.zeros((KEYS_PER_TILE, VECTOR), np.float32)
     tile_dots(dots, q_pairs, chunk, VECTOR, KEYS_PER_TILE)
     assert np.array_equal(np.array(emulated["dots"], np.uint32), dots.view(np.uint32))
+
+
+def test_an_llvmlite_older_than_the_bfloat_operands_is_refused_by_name(monkeypatch):
+    monkeypatch.setattr(llvmlite, "__version__", "0.44.0")
+    with pytest.raises(ImportError, match=r"llvmlite >= 0\.45 \(numba >= 0\.62\); this llvmlite is 0\.44\.0"):
+        _check_llvmlite_for_bfloat()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)

@@ -301,9 +301,10 @@ def _ring_args():
 def test_ring_errors(change, message):
     args = _ring_args()
     args.update(change)
-    with pytest.raises(ValueError, match=message):
+    error = TypeError if "dtype" in message else ValueError
+    with pytest.raises(error, match=message):
         mla_kpool_seed_tail(**args, kpool=4)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(error, match=message):
         mla_kpool_ring_close(**args, ape=torch.zeros(4, 8), kpool=4)
 
 

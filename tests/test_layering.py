@@ -42,6 +42,8 @@ LAYERS = {
     "sparsekv.demo": 5,
     "sparsekv.demo_checks": 5,
     "sparsekv.demo_report": 5,
+    "sparsekv.demo_sweep": 5,
+    "sparsekv.demo_work": 5,
     "sparsekv.demo_tp": 5,
     "sparsekv.bench": 5,
     "sparsekv.integrations": 5,
@@ -53,14 +55,6 @@ LAYERS = {
     "sparsekv.numerics": 0,
     "sparsekv._env": 0,
 }
-
-#: Pairs of modules known to import each other, tolerated until they are untangled.
-#: Every entry must still be a mutual pair (a test fails on a stale entry): delete it then.
-KNOWN_MUTUAL_IMPORTS = {
-    # demo.py imports demo_report inside run_demo, demo_report imports demo.shared_prefix_tokens.
-    frozenset({"sparsekv.demo", "sparsekv.demo_report"}),
-}
-
 
 def module_names(root: Path, package: str) -> dict[str, Path]:
     """Dotted name of every module under ``root/package`` (a package by its ``__init__``)."""
@@ -148,9 +142,8 @@ def layer_of(module: str, layers: dict[str, int]) -> int:
     return layers[max(matches, key=len)]
 
 
-def layering_problems(root: Path, package: str, layers: dict[str, int],
-                      known_mutual: set[frozenset[str]] = frozenset()) -> list[str]:
-    """Every upward import and every unlisted pair of modules that import each other, as readable lines."""
+def layering_problems(root: Path, package: str, layers: dict[str, int]) -> list[str]:
+    """Every upward import and every pair of modules that import each other, as readable lines."""
     modules = module_names(root, package)
     graph = {name: imports_of(name, path, modules, package) for name, path in modules.items()}
     problems = []
@@ -163,8 +156,7 @@ def layering_problems(root: Path, package: str, layers: dict[str, int],
                                 f"(layer {layer_of(target, layers)}): an import that runs back up")
     for name, targets in sorted(graph.items()):
         for target in sorted(targets):
-            pair = frozenset({name, target})
-            if name < target and name in graph.get(target, ()) and pair not in known_mutual:
+            if name < target and name in graph.get(target, ()):
                 problems.append(f"{name} and {target} import each other")
     for name, path in sorted(modules.items()):
         problems.extend(f"{name} imports the private {private}: move it to a shared module under a public name"
@@ -176,17 +168,8 @@ def layering_problems(root: Path, package: str, layers: dict[str, int],
 # the rule on sparsekv itself
 # ---------------------------------------------------------------------------
 def test_every_import_points_down_and_no_modules_import_each_other():
-    problems = layering_problems(SRC, PACKAGE, LAYERS, KNOWN_MUTUAL_IMPORTS)
+    problems = layering_problems(SRC, PACKAGE, LAYERS)
     assert not problems, "\n".join(problems)
-
-
-def test_known_mutual_imports_are_still_mutual():
-    modules = module_names(SRC, PACKAGE)
-    for pair in KNOWN_MUTUAL_IMPORTS:
-        a, b = sorted(pair)
-        mutual = (b in imports_of(a, modules[a], modules, PACKAGE)
-                  and a in imports_of(b, modules[b], modules, PACKAGE))
-        assert mutual, f"{a} and {b} no longer import each other: delete their KNOWN_MUTUAL_IMPORTS entry"
 
 
 def test_every_module_has_a_layer():
@@ -247,9 +230,7 @@ def test_checker_flags_modules_that_import_each_other(tmp_path):
         "pkg/app/demo.py": "def run():\n    from .report import build\n",
         "pkg/app/report.py": "from .demo import shared\n",
     })
-    pair = frozenset({"pkg.app.demo", "pkg.app.report"})
     assert layering_problems(tmp_path, "pkg", TOY_LAYERS) == ["pkg.app.demo and pkg.app.report import each other"]
-    assert layering_problems(tmp_path, "pkg", TOY_LAYERS, {pair}) == []
 
 
 def test_checker_flags_a_private_helper_taken_from_another_module(tmp_path):

@@ -1,7 +1,8 @@
 """The ``sparsekv`` command: ``sparsekv demo`` and ``sparsekv bench``.
 
 Exit status: 0 on success; 1 when a demo check fails; 2 for a usage,
-config or checkpoint error (the message names the problem).
+config or checkpoint error (the message names the problem). Output paths
+(``--plot``, ``bench --json``) are checked before anything runs.
 
 Examples::
 
@@ -16,42 +17,78 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
+import tempfile
 from collections.abc import Sequence
 
 BENCH_FAMILIES = ("qsa", "kpool", "cache", "manager")
+PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 
 
-def _matplotlib_missing(command: str) -> bool:
-    """True (after printing why) when ``--plot`` cannot work because matplotlib is not installed."""
+def output_path_problem(option: str, path: str, suffixes: tuple[str, ...] | None = None) -> str | None:
+    """Why ``path`` cannot receive the output of ``option`` (``None`` when it can), found before any work runs.
+
+    The path must name a file (not a folder) in an existing, writable folder,
+    ending in one of ``suffixes`` when given. An existing file is
+    opened for appending and closed (its contents and size stay as they are);
+    otherwise a temporary file is created in the folder and removed.
+    """
+    if suffixes is not None and not path.lower().endswith(suffixes):
+        return f"{option}: expected a file name ending in {', '.join(suffixes)}, got {path!r}"
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return f"{option}: expected a file name, got the folder {path!r}"
+    if not os.path.isdir(folder):
+        return f"{option}: the folder {folder!r} of {path!r} does not exist"
+    try:
+        if os.path.exists(path):
+            with open(path, "ab"):
+                pass
+        else:
+            with tempfile.NamedTemporaryFile(dir=folder):
+                pass
+    except OSError as err:
+        return f"{option}: cannot write {path!r} ({err.strerror or err})"
+    return None
+
+
+def plot_problem(path: str) -> str | None:
+    """Why ``--plot path`` cannot work (matplotlib missing, bad suffix or place), else ``None``."""
     try:
         import matplotlib  # noqa: F401
-    except ImportError:
-        print(f"sparsekv {command}: error: --plot needs matplotlib, which is not installed; install it with "
-              "`pip install matplotlib` (or `pip install sparsekv[bench]`)", file=sys.stderr)
-        return True
-    return False
+    except ImportError as err:
+        return (f"--plot needs matplotlib, which cannot be imported ({err}); install it with "
+                "`pip install matplotlib` (or `pip install sparsekv[bench]`)")
+    return output_path_problem("--plot", path, PLOT_SUFFIXES)
+
+
+def _usage_error(command: str, message: str) -> int:
+    print(f"sparsekv {command}: error: {message}", file=sys.stderr)
+    return 2
 
 
 def _demo(args: argparse.Namespace) -> int:
     from .demo import DemoError, DemoOptions, run_demo
-    from .demo_report import format_report, write_plot
+    from .demo_report import format_report
+    from .demo_sweep import write_plot
 
-    if args.plot and _matplotlib_missing("demo"):
-        return 2
+    if args.plot and (problem := plot_problem(args.plot)):
+        return _usage_error("demo", problem)
     options = DemoOptions(device=args.device, dtype=args.dtype, configs=args.config or [],
                           checkpoints=args.checkpoint or [], requests=args.requests, context=args.context,
                           decode_tokens=args.decode_tokens, shared_prefix=args.shared_prefix,
-                          step_tokens=args.step_tokens, page_size=args.page_size, seed=args.seed, sweep=bool(args.plot or args.sweep), sweep_context=args.sweep_context,
+                          step_tokens=args.step_tokens, page_size=args.page_size, seed=args.seed,
+                          sweep=bool(args.plot or args.sweep), sweep_context=args.sweep_context,
                           progress=not args.no_progress)
     try:
         report = run_demo(options)
     except DemoError as err:
-        print(f"sparsekv demo: error: {err}", file=sys.stderr)
-        return 2
+        return _usage_error("demo", str(err))
     if args.plot:
         write_plot(report["decode_sweep"], args.plot,
-                   f"QSA decode step, {report['workload']['device']} {report['workload']['dtype']}")
+                   f"Attention per decode token, {len(report['model']['qwen4_exp']['qsa_layers'])} QSA layers "
+                   f"({report['workload']['device']} {report['workload']['dtype']})")
         report["plot"] = args.plot
     if args.json:
         print(json.dumps(report, indent=2))
@@ -68,11 +105,12 @@ def _bench(args: argparse.Namespace) -> int:
     families = BENCH_FAMILIES if not args.only else tuple(f.strip() for f in args.only.split(",") if f.strip())
     unknown = [f for f in families if f not in BENCH_FAMILIES]
     if unknown or not families:
-        print(f"sparsekv bench: error: --only: unknown benchmark {', '.join(unknown) or '(empty)'}; "
-              f"choose from {', '.join(BENCH_FAMILIES)}", file=sys.stderr)
-        return 2
-    if args.plot and _matplotlib_missing("bench"):
-        return 2
+        return _usage_error("bench", f"--only: unknown benchmark {', '.join(unknown) or '(empty)'}; "
+                                     f"choose from {', '.join(BENCH_FAMILIES)}")
+    if args.plot and (problem := plot_problem(args.plot)):
+        return _usage_error("bench", problem)
+    if args.json and (problem := output_path_problem("--json", args.json)):
+        return _usage_error("bench", problem)
     rows = []
     for family in families:
         try:
@@ -136,10 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--step-tokens", type=int, default=512, help="token budget per batch step (default 512)")
     demo.add_argument("--page-size", type=int, default=64, help="tokens per page (default 64)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the weights and the prompts")
-    demo.add_argument("--sweep", action="store_true", help="also time decode steps against context (sparse/dense)")
+    demo.add_argument("--sweep", action="store_true",
+                      help="also time one decode token's attention against context: QSA vs dense torch SDPA")
     demo.add_argument("--sweep-context", type=int, default=None, metavar="TOKENS",
                       help="longest context of the decode sweep (default: max(--context, 8192))")
-    demo.add_argument("--plot", metavar="FILE.png", help="plot the decode sweep (needs matplotlib)")
+    demo.add_argument("--plot", metavar="FILE.png",
+                      help="run the decode sweep and plot it (.png, .svg or .pdf; needs matplotlib)")
     demo.add_argument("--json", action="store_true", help="print the report as JSON instead of text")
     demo.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     demo.set_defaults(handler=_demo)
@@ -149,7 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="small shapes, few repeats")
     bench.add_argument("--only", metavar="LIST", help=f"comma-separated subset of {','.join(BENCH_FAMILIES)}")
     bench.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
-    bench.add_argument("--plot", metavar="FILE.png", help="bar chart of GB/s per row (needs matplotlib)")
+    bench.add_argument("--plot", metavar="FILE.png", help="bar chart of GB/s per row (.png, .svg or .pdf; "
+                                                           "needs matplotlib)")
     bench.set_defaults(handler=_bench)
     return parser
 

@@ -27,10 +27,14 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field, replace
 
 import torch
+from tqdm import tqdm
 
 from .cache.manager import CacheGroupSpec, InsufficientPagesError, PagedKVCacheManager
 from .demo_checks import (TIE_TOLERANCE, CheckLog, brute_force_kpool_scores, brute_force_qsa_blocks,
                           check_attention_over_selection, check_pooled_keys, check_sparse_equals_dense, compare_topk)
+from .demo_report import build_report
+from .demo_sweep import run_decode_sweep, sweep_contexts
+from .demo_work import ServingWork
 from .layers.checkpoint import load_slice_weights, open_checkpoint
 from .layers.config import Glm5NextConfig, Qwen4ExpConfig, load_config
 from .layers.kpool import Glm5NextIndexerSlice, RMSNorm
@@ -215,6 +219,11 @@ def shared_prefix_tokens(options: DemoOptions) -> int:
     return (options.context * 3 // 4) // options.page_size * options.page_size
 
 
+def sweep_limit(options: DemoOptions) -> int:
+    """The longest context of the decode sweep: ``--sweep-context``, else ``max(context, 8192)``."""
+    return options.sweep_context if options.sweep_context is not None else max(options.context, 8192)
+
+
 def make_workload(requests: int, context: int, shared: int, vocab: int, seed: int) -> list[list[int]]:
     """``requests`` prompts of ``context`` tokens whose first ``shared`` tokens (the system prompt) are equal."""
     generator = torch.Generator().manual_seed(seed + 17)
@@ -247,6 +256,7 @@ class DemoServer:
         self.check_seconds = 0.0
         self.dtype_size = torch.empty(0, dtype=dtype).element_size()
         self.vocab = min(qwen.embed_tokens.num_embeddings, glm.embed_tokens.num_embeddings)
+        self.work = ServingWork.for_models(qwen, glm, self.vocab)
 
     # ---- one step --------------------------------------------------------
     def run_step(self, plan: list[tuple[_Request, int]]) -> None:
@@ -378,11 +388,36 @@ class DemoServer:
         layers = len(self.glm.layers)
         return _Request(rid, prompt, keys=[[] for _ in range(layers)], gates=[[] for _ in range(layers)])
 
+    def work_left(self, running: list[_Request], waiting: list[_Request]) -> float:
+        """Estimated multiply-adds (:class:`ServingWork`) to finish the ``running`` and ``waiting`` requests.
+
+        A waiting request is expected to find the shared system prompt's whole
+        pages in the prefix cache, unless no request has run yet and it is the
+        first (it computes them).
+        """
+        options = self.options
+        decode_tokens = options.decode_tokens
+        shared_pages = shared_prefix_tokens(options) // options.page_size * options.page_size
+        requests = [(r.computed, len(r.prompt), decode_tokens + 1 - max(len(r.generated), 1)) for r in running]
+        for i, request in enumerate(waiting):
+            computes_prefix = i == 0 and not running and self.totals.steps == 0
+            hit = 0 if computes_prefix else min(shared_pages, len(request.prompt) - 1)
+            requests.append((hit, len(request.prompt), decode_tokens))
+        return self.work.remaining(requests, options.step_tokens)
+
     def serve(self, prompts: list[list[int]], progress) -> None:
-        """Serve every prompt to completion: decodes first, then prefill chunks, then admissions."""
+        """Serve every prompt to completion: decodes first, then prefill chunks, then admissions.
+
+        ``progress`` (a ``tqdm`` bar) counts estimated work, not tokens: each
+        step adds its :meth:`ServingWork.step` and the total is re-estimated
+        after it (:meth:`work_left`), so the rate and the ETA hold from
+        prefill through decode.
+        """
         mgr, decode_tokens = self.manager, self.options.decode_tokens
         waiting = deque(self.new_request(f"req{i}", prompt) for i, prompt in enumerate(prompts))
         running: list[_Request] = []
+        progress.total = self.work_left(running, list(waiting))
+        progress.refresh()
         while waiting or running:
             plan: list[tuple[_Request, int]] = []
             left = self.options.step_tokens
@@ -412,12 +447,11 @@ class DemoServer:
                 running.append(request)
                 plan.append((request, n))
                 left -= n
-                progress.update(hit)
             if not plan:
                 raise InsufficientPagesError(reserved, mgr.num_available_pages,
                                              hint="the demo's page pool cannot hold even one request")
+            step_work = self.work.step([(request.computed, n) for request, n in plan])
             self.run_step(plan)
-            progress.update(sum(n for _, n in plan))
             for request in [r for r in running if not r.prefilling and len(r.generated) > decode_tokens]:
                 check_started = time.perf_counter()
                 with torch.no_grad():
@@ -427,6 +461,8 @@ class DemoServer:
                     mgr.release(request.rid)
                 self.free_slots.append(request.slot)
                 running.remove(request)
+            progress.total = progress.n + step_work + self.work_left(running, list(waiting))
+            progress.update(step_work)
 
 
 # ---------------------------------------------------------------------------
@@ -464,39 +500,34 @@ def _warm_up(qwen, glm, options: DemoOptions, device: torch.device, dtype: torch
     # an odd context and a few decode steps, so that pools close both in compress and through the ring
     tiny = replace(options, requests=2, context=2 * options.page_size + 3, decode_tokens=6,
                    shared_prefix=options.page_size, progress=False)
-    prompts = make_workload(tiny.requests, tiny.context, shared_prefix_tokens(tiny), vocab, tiny.seed)
-    from tqdm import tqdm
-
+    prompts = make_workload(tiny.requests, tiny.context, tiny.shared_prefix, vocab, tiny.seed)
     with tqdm(disable=True) as no_progress:
         DemoServer(qwen, glm, tiny, device, dtype, num_pages=2 * 4).serve(prompts, no_progress)
 
 
 def run_demo(options: DemoOptions) -> dict:
     """Serve the workload, run the checks, return the report (see :func:`sparsekv.demo_report.format_report`)."""
-    from tqdm import tqdm
-
-    from .demo_report import build_report, run_decode_sweep, sweep_limit
-
     device = _check_options(options)
+    options = replace(options, shared_prefix=shared_prefix_tokens(options), sweep_context=sweep_limit(options))
     dtype = _resolve_dtype(options, device)
     qwen, glm, vocab, sources = build_models(options, device, dtype)
     kpool = glm.config.index_kpool
     if options.page_size % kpool:
         raise DemoError(f"--page-size: {options.page_size} must be a multiple of index_kpool ({kpool})")
-    prompts = make_workload(options.requests, options.context, shared_prefix_tokens(options), vocab, options.seed)
+    prompts = make_workload(options.requests, options.context, options.shared_prefix, vocab, options.seed)
     pages_per_request = -(-(options.context + options.decode_tokens) // options.page_size)
     num_pages = options.requests * pages_per_request
     if options.sweep:
-        num_pages += -(-(sweep_limit(options) + 1) // options.page_size)
+        num_pages += -(-(options.sweep_context + 1) // options.page_size)
     server = DemoServer(qwen, glm, options, device, dtype, num_pages)
     _warm_up(qwen, glm, options, device, dtype, vocab)
-    total_tokens = sum(len(p) for p in prompts) + options.requests * options.decode_tokens
     started = time.perf_counter()
-    with tqdm(total=total_tokens, unit="tok", desc="sparsekv demo", disable=not options.progress,
+    # unit: estimated multiply-adds of the serving steps (sparsekv.demo_work), shown as e.g. "12.3G/98.1G"
+    with tqdm(unit="MAC", unit_scale=True, desc="sparsekv demo", disable=not options.progress,
               dynamic_ncols=True, leave=False) as progress:
         server.serve(prompts, progress)
     wall = time.perf_counter() - started
-    sweep = run_decode_sweep(server, vocab) if options.sweep else None
+    sweep = run_decode_sweep(server, vocab, sweep_contexts(options.sweep_context)) if options.sweep else None
     return build_report(server, options, sources, dtype, wall, sweep)
 
 

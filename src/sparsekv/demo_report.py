@@ -1,13 +1,10 @@
-"""The ``sparsekv demo`` report (a JSON-ready dict and its text form), the decode sweep and its plot."""
+"""The ``sparsekv demo`` report: a JSON-ready dict and its text form."""
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 
-from .demo import shared_prefix_tokens
+from .demo_sweep import DENSE_LABEL, SPARSE_LABEL
 
 STAGE_LABELS = {
     "embed": "embedding lookup",
@@ -30,7 +27,11 @@ STAGE_LABELS = {
 
 def build_report(server, options, sources: list[str], dtype: torch.dtype, wall_seconds: float,
                  sweep: list[dict] | None) -> dict:
-    """Everything the demo measured and checked, as plain JSON-ready values."""
+    """Everything the demo measured and checked, as plain JSON-ready values.
+
+    ``server`` is the ``DemoServer`` that served the workload; ``options`` its
+    ``DemoOptions`` with ``shared_prefix`` resolved to a token count.
+    """
     q, g = server.qwen.config, server.glm.config
     t = server.totals
     metrics = server.manager.metrics()
@@ -57,7 +58,7 @@ def build_report(server, options, sources: list[str], dtype: torch.dtype, wall_s
         },
         "workload": {"device": str(server.device), "dtype": str(dtype).replace("torch.", ""),
                      "requests": options.requests, "context": options.context,
-                     "shared_prefix": shared_prefix_tokens(options),
+                     "shared_prefix": options.shared_prefix,
                      "decode_tokens": options.decode_tokens, "step_tokens": options.step_tokens,
                      "page_size": options.page_size, "seed": options.seed},
         "tokens": {"prompt": prompt_tokens, "prefix_hit": metrics.prefix_hit_tokens,
@@ -134,10 +135,14 @@ def format_report(report: dict) -> str:
         lines.append(f"    {entry['label']:<52} {entry['seconds'] * 1e3:9.1f} ms  {entry['share']:6.1%}  "
                      f"({entry['calls']} calls)")
     if "decode_sweep" in report:
-        lines += ["", "  decode step time (QSA layers, one request) against context",
-                  "    context   sparse ms   dense ms"]
+        lines += ["", "  attention time of one decode token against context (QSA layers summed, one request)",
+                  f"    sparse = {SPARSE_LABEL.removeprefix('sparse: ')}",
+                  f"    dense  = {DENSE_LABEL.removeprefix('dense: ')}",
+                  "    context   sparse ms   dense ms   dense/sparse   dense layout"]
         for point in report["decode_sweep"]:
-            lines.append(f"    {point['context']:7d}   {point['sparse_ms']:9.2f}   {point['dense_ms']:8.2f}")
+            ratio = point["dense_ms"] / point["sparse_ms"] if point["sparse_ms"] else float("nan")
+            lines.append(f"    {point['context']:7d}   {point['sparse_ms']:9.2f}   {point['dense_ms']:8.2f}   "
+                         f"{ratio:12.2f}   {point['dense_layout']}")
     lines += ["", "  checks"]
     for check in report["checks"]:
         mark = "PASS" if check["passed"] else "FAIL"
@@ -153,94 +158,4 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
-def _median_ms(fn, repeats: int = 5) -> float:
-    fn()  # warm-up
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
-
-
-def sweep_limit(options) -> int:
-    """The longest context the decode sweep reaches."""
-    return options.sweep_context if options.sweep_context is not None else max(options.context, 8192)
-
-
-def sweep_contexts(context: int) -> list[int]:
-    points, c = [], 128
-    while c < context:
-        points.append(c)
-        c *= 2
-    return points + [context]
-
-
-def run_decode_sweep(server, vocab: int) -> list[dict]:
-    """Decode step time of the QSA layers for one request, sparse vs dense, at growing contexts.
-
-    A fresh request (its own prefix-cache namespace) is prefilled chunk by chunk;
-    at each context ``c`` one decode token is timed in both modes without
-    committing it (the next chunk overwrites position ``c``). Contexts run up
-    to ``options.sweep_context`` (default ``max(context, 8192)``).
-    """
-    mgr, qwen, device = server.manager, server.qwen, server.device
-    context = sweep_limit(server.options)
-    generator = torch.Generator().manual_seed(server.options.seed + 99)
-    prompt = torch.randint(0, vocab, (context + 1,), generator=generator).tolist()
-    rid = "decode-sweep"
-    mgr.claim(rid, prompt, namespace="decode-sweep")
-    computed, points = 0, []
-    try:
-        for target in sweep_contexts(context):
-            while computed < target:
-                n = min(server.options.step_tokens, target - computed)
-                mgr.allocate(rid, n)
-                batch = mgr.prepare([rid], [n])
-                with torch.no_grad():
-                    qwen(torch.tensor(prompt[computed:computed + n], device=device),
-                         input_row_offsets=batch.input_row_offsets, kv_cache=batch.collection("attention"),
-                         index_cache=batch.collection("qsa_indexer"))
-                mgr.step(rid, prompt[computed:computed + n])
-                computed += n
-            mgr.allocate(rid, 1)
-            batch = mgr.prepare([rid], [1])
-            token = torch.tensor(prompt[computed:computed + 1], device=device)
-
-            def decode(mode: str) -> None:
-                with torch.no_grad():
-                    qwen(token, input_row_offsets=batch.input_row_offsets, kv_cache=batch.collection("attention"),
-                         index_cache=batch.collection("qsa_indexer"), mode=mode)
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-
-            points.append({"context": target, "sparse_ms": _median_ms(lambda: decode("sparse")),
-                           "dense_ms": _median_ms(lambda: decode("dense"))})
-    finally:
-        mgr.release(rid)
-    return points
-
-
-def write_plot(points: list[dict], path: str, title: str) -> None:
-    """Decode step time against context, sparse vs dense, as a PNG (needs matplotlib)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    contexts = [p["context"] for p in points]
-    figure, axes = plt.subplots(figsize=(6, 4))
-    axes.plot(contexts, [p["sparse_ms"] for p in points], marker="o", label="sparse (QSA)")
-    axes.plot(contexts, [p["dense_ms"] for p in points], marker="s", label="dense")
-    axes.set_xscale("log", base=2)
-    axes.set_xlabel("context length (tokens)")
-    axes.set_ylabel("decode step time (ms)")
-    axes.set_title(title)
-    axes.grid(True, alpha=0.3)
-    axes.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-
-
-__all__ = ["build_report", "format_report", "run_decode_sweep", "sweep_contexts", "write_plot"]
+__all__ = ["STAGE_LABELS", "build_report", "format_report"]

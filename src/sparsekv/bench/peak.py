@@ -3,7 +3,7 @@
 A torch copy of the same bytes is the ceiling of a memory-bound op; for an op
 that does tens of multiply-adds per byte (block score, pool score, attention)
 the ceiling is the machine's multiply-add rate. :func:`tile_peak_peer` times
-exactly that: the score tile of :mod:`sparsekv.kernels.cpu._dot_tile` (fused
+exactly that: the score tile of :mod:`sparsekv.kernels.cpu._tile_ops` (fused
 multiply-adds on float32, ``VDPBF16PS`` on bf16 pairs) over operands that stay
 in L1, on every numba thread, for as many multiply-adds as the op needs. Its
 column, ``peak time / our time``, is then the fraction of the peak the op
@@ -23,7 +23,7 @@ import numba
 import numpy as np
 import torch
 
-from ..kernels.cpu._dot_tile import KEYS_PER_TASK, tile_dots
+from ..kernels.cpu._tile_ops import KEYS_PER_TASK, tile_dots
 
 _LANES = 16  # one vector of lanes, as the score kernels' tile
 _CHANNELS = 128

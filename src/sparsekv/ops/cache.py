@@ -42,6 +42,11 @@ def paged_store(
         input_row_offsets: ``[B+1]`` int32/int64, ``T == input_row_offsets[-1]``.
         layer_idx, plane: which layer, 0 for keys and 1 for values.
 
+    Raises ``ValueError`` when one sequence has more rows than the
+    collection's ``max_seq_length`` (the largest number of new tokens of one
+    sequence in this call, which sizes launches and the tables read after
+    the store), or on a missing page, before writing anything.
+
     Example: cache lengths ``[5, 0]``, offsets ``[0, 2, 3]`` write sequence 0
     positions 5 and 6 and sequence 1 position 0.
 
@@ -50,5 +55,5 @@ def paged_store(
     """
     c = collection
     offsets = c.check_store(values, input_row_offsets, layer_idx=layer_idx, plane=plane,
-                            host_checks=host_checks(c.device))
+                            check_values=host_checks(c.device))
     _paged_store_op(c.blocks, values, c.lookup_table, c.cache_lengths, offsets, plane, layer_idx)

@@ -107,7 +107,7 @@ def _plan_pooled_store(pooled_collection: PagedKVCacheCollection, layer_idx: int
                                   max_cache_length=int(pool_lengths.max()) if batch else 0,
                                   page_stride=pc.page_stride)
     host = host_checks(pc.device)
-    offsets = view.check_store(values, entry_offsets, layer_idx=layer_idx, plane=0, host_checks=host)
+    offsets = view.check_store(values, entry_offsets, layer_idx=layer_idx, plane=0, check_values=host)
     if host:
         resolve_pages(view.lookup_table, view.num_pages, view.page_size, seq_of_entry,
                       pool_lengths.to(torch.int64)[seq_of_entry] + local)

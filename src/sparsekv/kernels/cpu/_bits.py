@@ -20,9 +20,7 @@ rounding add), so loops over them vectorise. fp16 conversions use LLVM's
 ``half`` type, which x86 CPUs with F16C (``VCVTPH2PS``/``VCVTPS2PH``) and
 aarch64 convert in hardware, 16 lanes at a time; on other CPUs they fall back
 to integer arithmetic (``f16_to_f32_in_integers``, ``f32_to_f16_in_integers``:
-branches, scalar, 4x slower in the compress kernel). numba's cache does not
-notice when this module changes under a cached caller in another module: clear
-the ``__pycache__`` ``*.nbi``/``*.nbc`` files after editing it.
+branches, scalar, 4x slower in the compress kernel).
 """
 
 from __future__ import annotations

@@ -3,9 +3,6 @@
 numba lowers ``np.exp`` on a float32 to a libm call per element, which LLVM
 cannot vectorise; :func:`exp_f32` is branch-free float32 arithmetic that it
 vectorises 16 lanes wide. Used by the k-pool softmax and sparse attention.
-Like :mod:`._bits`, numba's cache does not notice when this module changes
-under a cached caller in another module: clear the ``__pycache__``
-``*.nbi``/``*.nbc`` files after editing it.
 """
 
 from __future__ import annotations

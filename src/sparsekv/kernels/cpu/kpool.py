@@ -33,7 +33,7 @@ What each kernel is made of, and why (measured with ``benchmarks/bench_kpool.py`
 * score: one numba pass, one task per (sequence, chunk of 128 pools): the
   chunk's pooled keys are read in place, page by page, through the page table
   (bf16 as bits, no copy), by each group of the sequence's rows in register
-  tiles (:mod:`._dot_tile`: every dot product the same chain in a fixed
+  tiles (:mod:`._tile_ops`: every dot product the same chain in a fixed
   channel order; bf16 pairs through ``VDPBF16PS``), then relu and the
   head-weighted sum in head order, run over each head's pools contiguously
   (the tile's dots transposed first: 0.056 -> 0.02 ms at B=4, t=8191, 32
@@ -50,10 +50,11 @@ import torch
 from numba import types
 from numba.extending import overload
 
-from ...cache.layout import resolve_pages
+from ..reference.kpool import score_page_error
 from ._bits import as_numba, narrow, widen
-from ._dot_tile import (KEYS_PER_TASK, KEYS_PER_TILE, VECTOR, dots_of_rows, new_scratch, plan_score_tasks,
-                        relu_sums, score_task, transpose_dots)
+from ._score_tasks import plan_score_tasks, relu_sums, score_task
+from ._tile_ir import KEYS_PER_TILE, VECTOR
+from ._tile_ops import KEYS_PER_TASK, dots_of_rows, new_scratch, transpose_dots
 from ._math import exp_f32
 from ._pages import first_missing_page
 from ._parallel import numba_threads, threads_for
@@ -264,12 +265,14 @@ def _visibility(positions, offsets, kpool, out_cols):
     return visible, needed, total
 
 
-def _check_score_pages(pooled_blocks, lookup_table, needed):
-    """``ValueError`` (the reference's wording: the first bad pool) unless every visible pool has a page."""
+def _check_score_pages(pooled_blocks, lookup_table, needed, query_positions, input_row_offsets, kpool):
+    """The reference's :func:`~sparsekv.kernels.reference.kpool.score_page_error` unless every visible pool
+    has a page (found by a numba loop over the table, without temporaries)."""
     per_page = pooled_blocks.shape[3]
     seq, pool = first_missing_page(lookup_table.numpy(), pooled_blocks.shape[0], per_page, needed)
     if seq >= 0:
-        resolve_pages(lookup_table, pooled_blocks.shape[0], per_page, torch.tensor([seq]), torch.tensor([pool]))
+        raise score_page_error(lookup_table, pooled_blocks.shape[0], per_page, query_positions, input_row_offsets,
+                               kpool, seq, pool)
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
@@ -279,7 +282,7 @@ def _score_kernel(scores, q, head_weights, cache, page_stride, base, per_page, t
 
     Task = (sequence, chunk of its pools): each group of the sequence's rows
     runs over the chunk's pooled keys page by page, read in place through the
-    page table (:func:`._dot_tile.dots_of_rows`); a row's score is
+    page table (:func:`._tile_ops.dots_of_rows`); a row's score is
     ``sum_h w_h * relu(dot_h)`` summed in head order. ``q_t[group]``
     holds a row group's queries transposed, ``[D, lanes]``, zero padding lanes.
     """
@@ -323,7 +326,7 @@ def mla_kpool_score(scores, q, head_weights, pooled_blocks, lookup_table, query_
         return
     offsets = input_row_offsets.numpy()
     visible, needed, total_visible = _visibility(query_positions.numpy(), offsets, kpool, out_cols)
-    _check_score_pages(pooled_blocks, lookup_table, needed)
+    _check_score_pages(pooled_blocks, lookup_table, needed, query_positions, input_row_offsets, kpool)
     num_pages, planes, layers, per_page, _, dim = pooled_blocks.shape
     if num_pages == 0:  # validated above: no row sees a pool
         cache, page_stride = pooled_blocks.new_empty(0), 0

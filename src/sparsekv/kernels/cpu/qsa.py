@@ -7,7 +7,7 @@ What each kernel is made of, and why (measured with ``benchmarks/bench_qsa.py``)
   applies RMSNorm and RoPE on a scratch row and writes the block key once. The
   reference gathers the keys into a new tensor and makes about ten float32
   temporaries of them. The RMSNorm sums of squares of 16 blocks run as the
-  lanes of two vectors (:func:`._dot_tile.square_sums_in_order`: still one
+  lanes of two vectors (:func:`._tile_ops.square_sums_in_order`: still one
   ordered chain per block, 2.3x fewer cycles than 8 interleaved scalar
   chains), and the RoPE loops write the output row directly (each loop then
   writes one array that none of its reads share, which LLVM vectorises).
@@ -18,7 +18,7 @@ What each kernel is made of, and why (measured with ``benchmarks/bench_qsa.py``)
   are read in place (float32, or bf16 as bits; fp16 widened into scratch),
   and each group of the sequence's rows (about 32 (row, head) lanes, queries
   transposed) runs over them in register tiles of 16 lanes x 8 keys
-  (:mod:`._dot_tile`: fused multiply-adds, or for bf16 ``VDPBF16PS`` on
+  (:mod:`._tile_ops`: fused multiply-adds, or for bf16 ``VDPBF16PS`` on
   channel pairs, twice the multiply-adds per instruction). Each dot product is
   the same chain in a fixed channel order whatever shares its tile, so a
   row's scores do not depend on which other rows share the call (SPEC 2.6); a
@@ -30,7 +30,7 @@ What each kernel is made of, and why (measured with ``benchmarks/bench_qsa.py``)
   the selected keys where they lie in the pages (their flat starts from the
   page table; each tile prefetches the next tile's keys), the softmax per
   head with a vectorised float32 ``exp`` (:func:`._math.exp_f32`), and ``P @
-  V`` with a second register tile (:func:`._dot_tile.weighted_rows`: 8 heads
+  V`` with a second register tile (:func:`._tile_ops.weighted_rows`: 8 heads
   x 32 channels of accumulators, tokens in order) on values gathered 128 at
   a time with a prefetch 8 tokens ahead, then divides once. Nothing the size
   of the history is materialised; dense SDPA would read all of it. Keys read
@@ -60,11 +60,14 @@ import numpy as np
 import torch
 from numba import prange
 
+from ..._checks import check_freqs_cis_rows
+from ...cache.layout import page_error
+from ..reference.qsa import counted_entry_error
 from ._bits import as_numba, narrow, widen
-from ._dot_tile import (KEYS_PER_TASK, KEYS_PER_TILE, SQUARE_SUM_ROWS, VECTOR, WEIGHTED_CHANNELS,
-                        dots_of_gathered_rows, dots_of_rows, gather_rows, new_query_tiles, new_scratch,
-                        new_value_scratch, plan_score_tasks, put_query, relu_sums, score_task, square_sums_in_order,
-                        transpose_dots, weighted_rows)
+from ._score_tasks import plan_score_tasks, relu_sums, score_task
+from ._tile_ir import KEYS_PER_TILE, SQUARE_SUM_ROWS, VECTOR, WEIGHTED_CHANNELS
+from ._tile_ops import (KEYS_PER_TASK, dots_of_gathered_rows, dots_of_rows, gather_rows, new_query_tiles, new_scratch,
+                        new_value_scratch, put_query, square_sums_in_order, transpose_dots, weighted_rows)
 from ._math import exp_f32
 from ._pages import first_missing_page
 from ._parallel import PARALLEL_JIT, threads_for
@@ -88,14 +91,6 @@ def _flat_plane(blocks: torch.Tensor, plane: int, layer: int) -> tuple[np.ndarra
     return as_numba(flat), blocks.stride(0), (plane * layers + layer) * page_size * heads * dim
 
 
-def _page_problem(lookup_table: torch.Tensor, num_pages: int, page_size: int, b: int, t: int) -> str:
-    """Why position ``t`` of sequence ``b`` has no page (the wording of ``resolve_pages``)."""
-    if t < 0:
-        return "a negative position (-1 marks an unused entry)"
-    if t // page_size >= lookup_table.shape[1]:
-        return f"logical page {t // page_size} is beyond the lookup table's {lookup_table.shape[1]} columns"
-    page = int(lookup_table[b, t // page_size])
-    return "its page is unassigned (sentinel)" if page < 0 else f"its page {page} is outside [0, {num_pages})"
 
 
 @numba.njit(**PARALLEL_JIT)
@@ -194,15 +189,11 @@ def qsa_compress_keys_paged(block_keys, gamma, freqs_cis, key_counts, blocks, lo
     max_blocks = block_keys.shape[0] // batch
     # host math in numpy: a torch op costs several microseconds each, this whole wrapper ~10
     num_blocks = np.clip(key_counts.numpy().astype(np.int64) // ratio, 0, max_blocks)
+    check_freqs_cis_rows(freqs_cis.shape[0], num_blocks, ratio)
     b, t = first_missing_page(lookup_table.numpy(), blocks.shape[0], blocks.shape[3], num_blocks * ratio)
     if b >= 0:
-        raise ValueError(f"paged cache: sequence {b}, position {t}: "
-                         f"{_page_problem(lookup_table, blocks.shape[0], blocks.shape[3], b, t)}")
+        raise page_error(lookup_table, blocks.shape[0], blocks.shape[3], b, t)
     needed_positions = int(num_blocks.max()) * ratio - ratio + 1 if batch else 0
-    if needed_positions > freqs_cis.shape[0]:
-        b = int(num_blocks.argmax())
-        raise ValueError(f"freqs_cis: sequence {b} needs position {needed_positions - 1} but the table has "
-                         f"{freqs_cis.shape[0]} rows")
     if freqs_cis.dtype == torch.float64:  # round once, from float64 straight to the keys' dtype
         freqs_cis = freqs_cis.to(block_keys.dtype)
     freqs = freqs_cis[: max(needed_positions, 1)].float().contiguous()
@@ -235,7 +226,7 @@ def _block_score_kernel(scores, q, keys, offsets, positions, ratio, max_blocks, 
     """``scores [total_q, out_cols]``; ``q [total_q, heads, D]``; ``keys [B*max_blocks, D]``.
 
     Task = (sequence, chunk of its block keys): each group of the sequence's
-    rows runs over the chunk's keys, read in place (:func:`._dot_tile.dots_of_rows`).
+    rows runs over the chunk's keys, read in place (:func:`._tile_ops.dots_of_rows`).
     ``q_t[group]`` holds a row group's queries transposed, lane ``row*heads +
     h``, zeros in the padding lanes.
     """
@@ -318,11 +309,11 @@ def _sparse_attention_kernel(out, lse, q, cache, page_stride, key_base, value_ba
 
     The group's query heads are the lanes of one query tile; the selected
     keys are scored where they lie in the pages (fp16 and odd-``D`` bf16:
-    converted first) by :func:`._dot_tile.dots_of_gathered_rows` (``logits
+    converted first) by :func:`._tile_ops.dots_of_gathered_rows` (``logits
     [count, lanes]``). The softmax runs over each lane (a head) with
     :func:`._math.exp_f32`; then the values are gathered ``KEYS_PER_TASK`` at
     a time (prefetched ahead) and summed into ``acc [lanes, D]`` by
-    :func:`._dot_tile.weighted_rows` (tokens in order) and divided once.
+    :func:`._tile_ops.weighted_rows` (tokens in order) and divided once.
     """
     total_q, q_heads, dim = q.shape
     group = q_heads // kv_heads
@@ -396,13 +387,10 @@ def _first_bad_entry(table, num_pages, page_size, indices, counts, seq_of_row):
 
 
 def _check_counted_entries(lookup_table, num_pages, page_size, indices, counts, seq_of_row):
-    """``ValueError`` naming row and entry for a negative or unpaged position inside a counted region."""
+    """The reference's ``counted_entry_error`` for a negative or unpaged position inside a counted region."""
     r, i = _first_bad_entry(lookup_table.numpy(), num_pages, page_size, indices.numpy(), counts.numpy(), seq_of_row)
-    if r < 0:
-        return
-    t, b = int(indices[r, i]), int(seq_of_row[r])
-    raise ValueError(f"indices: row {r}, entry {i} inside the counted region (counts[{r}] = {int(counts[r])}): "
-                     f"sequence {b}, position {t}: {_page_problem(lookup_table, num_pages, page_size, b, t)}")
+    if r >= 0:
+        raise counted_entry_error(lookup_table, num_pages, page_size, indices, counts, r, i, int(seq_of_row[r]))
 
 
 def qsa_sparse_attention_paged(out, lse, q, blocks, lookup_table, indices, counts, input_row_offsets, layer, scale,

@@ -1,0 +1,84 @@
+"""How both score kernels split their work: tasks of ``KEYS_PER_TASK`` keys, query groups in the tile's layout.
+
+:func:`plan_score_tasks` turns a batch (``offsets``, each row's visible keys)
+into tasks and transposed query groups; :func:`score_task` says which rows and
+keys one task covers; :func:`relu_sums` is the weighted ReLU sum over heads
+that both score epilogues end with.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from ._tile_ir import VECTOR
+from ._tile_ops import KEYS_PER_TASK, new_query_tiles, put_query
+
+LANES_PER_GROUP = 32
+"""(row, head) pairs whose dot products run together over a task's keys."""
+
+
+@numba.njit(cache=True)
+def plan_score_tasks(scores, q, offsets, visible):
+    """The set-up both score kernels share, run serially (a parallel region costs a barrier).
+
+    Args: ``scores [total_q, out_cols]`` (columns ``>= visible[r]`` get
+    ``-inf`` here), ``q [total_q, heads, D]`` (any float dtype), ``offsets
+    [B+1]``, ``visible [total_q]`` keys each row sees.
+
+    Returns ``(num_keys [B], task_starts [B+1], group_starts [B+1], q_t,
+    group_rows)``: sequence ``b`` needs its first ``num_keys[b]`` keys (its
+    rows' largest visibility), split into tasks ``task_starts[b] ..
+    task_starts[b+1]`` of ``KEYS_PER_TASK`` keys; its rows form groups
+    ``group_starts[b] ..`` of ``group_rows`` rows, and ``q_t[group]`` ``[D,
+    lanes]`` (bf16: int32 pairs ``[P, lanes]``) holds a group's queries transposed (lane
+    ``row*heads + h``, zeros in the padding lanes).
+    """
+    total_q, heads, dim = q.shape
+    batch = offsets.shape[0] - 1
+    group_rows = max(1, LANES_PER_GROUP // max(heads, 1))
+    group_lanes = (group_rows * heads + VECTOR - 1) // VECTOR * VECTOR
+    num_keys = np.zeros(batch, np.int64)
+    task_starts = np.zeros(batch + 1, np.int64)
+    group_starts = np.zeros(batch + 1, np.int64)
+    for b in range(batch):
+        for r in range(offsets[b], offsets[b + 1]):
+            num_keys[b] = max(num_keys[b], visible[r])
+        task_starts[b + 1] = task_starts[b] + (num_keys[b] + KEYS_PER_TASK - 1) // KEYS_PER_TASK
+        group_starts[b + 1] = group_starts[b] + (offsets[b + 1] - offsets[b] + group_rows - 1) // group_rows
+    q_t = new_query_tiles(q, group_starts[batch], group_lanes)
+    for r in range(total_q):
+        b = np.searchsorted(offsets, r, side="right") - 1
+        local = r - offsets[b]
+        block = q_t[group_starts[b] + local // group_rows]
+        for h in range(heads):
+            put_query(block, local % group_rows * heads + h, q[r, h])
+        score_row = scores[r]
+        for k in range(visible[r], scores.shape[1]):
+            score_row[k] = -np.inf
+    return num_keys, task_starts, group_starts, q_t, group_rows
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def score_task(task, task_starts, num_keys, offsets):
+    """``(b, first_row, end_row, key0, chunk)`` of task ``task`` of :func:`plan_score_tasks`: sequence
+    ``b``'s rows ``first_row .. end_row - 1`` against its keys ``key0 .. key0 + chunk - 1``."""
+    b = np.searchsorted(task_starts, task, side="right") - 1
+    key0 = (task - task_starts[b]) * KEYS_PER_TASK
+    return b, offsets[b], offsets[b + 1], key0, min(KEYS_PER_TASK, num_keys[b] - key0)
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def relu_sums(totals, lane_dots, lane0, heads, weights):
+    """``totals[i] = sum_h weights[h] * relu(lane_dots[lane0 + h, i])`` for ``i < len(totals)``, each sum
+    ``0 + ... `` in head order ``h = 0 .. heads-1``, one multiply and one add per term (a weight of 1
+    changes no bit); relu keeps NaN. ``lane_dots [lanes, keys]`` from :func:`._tile_ops.transpose_dots`, so the
+    inner loop runs over contiguous keys, vectorised."""
+    seen = totals.shape[0]
+    totals[:] = 0.0
+    for h in range(heads):
+        weight = weights[h]
+        key_dots = lane_dots[lane0 + h, :seen]
+        for i in range(seen):
+            x = key_dots[i]
+            totals[i] += weight * (x if not x <= np.float32(0.0) else np.float32(0.0))
