@@ -8,6 +8,7 @@ has a hard deadline and reaps its processes.
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import time
@@ -18,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from sparsekv.demo import seed_parameters
-from sparsekv.demo_tp import RankError, TPCheckOptions, compare_records, launch, tp_records
+from sparsekv.demo_tp import (RankError, TPCheckOptions, compare_records, format_tp_report, launch, summarize,
+                               tp_records)
 from sparsekv.layers import QSAAttention, Qwen4ExpConfig
 from sparsekv.layers.checkpoint import CheckpointReader, module_state, save_checkpoint
 from sparsekv.layers.tensor_parallel import RankSliceReader, TensorParallelGroup, head_range, kv_head_range
@@ -145,6 +147,19 @@ def test_compare_records_flags_a_diverging_rank(runs):
     assert not checks["outputs equal the single-process run"]
     assert not checks["prefix-cache hits equal on every rank and to the single-process run"]
     assert checks["selections equal on every rank and to the single-process run"]
+
+
+def test_report_states_tp_kv_bytes_per_rank_and_all_reduce(runs):
+    options, (single, ranks) = runs[0]
+    report = summarize(options, single, ranks)
+    assert report["passed"] and report["tp"] == 2 and report["backend"] == "gloo"
+    assert report["kv_bytes_per_rank"]["main"] * 2 == report["kv_bytes_single"]["main"]
+    assert len(report["all_reduce_seconds"]) == 2 and report["all_reduce_calls"] == ranks[0]["all_reduce_calls"]
+    json.dumps(report)  # what --json prints
+    text = format_tp_report(report)
+    assert text.startswith("tensor parallel: tp=2 over gloo: passed")
+    assert "main 80.0 KiB (single process 160.0 KiB), index 40.0 KiB (replicated)" in text
+    assert f"all-reduce: {report['all_reduce_calls']} calls" in text
 
 
 # ---------------------------------------------------------------------------
