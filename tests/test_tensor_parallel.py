@@ -57,6 +57,13 @@ def test_head_split_errors_name_the_counts(heads, kv_heads, world, match):
         head_range(4, 2, 2)
 
 
+def test_tp_check_refuses_a_head_split_before_starting_processes():
+    with pytest.raises(ValueError, match="num_key_value_heads: 2 KV heads neither split over nor replicate"):
+        tp_records([TPCheckOptions(tp=3, config=replace(TINY, num_attention_heads=6))])
+    with pytest.raises(ValueError, match="num_attention_heads: 4 heads do not split evenly"):
+        tp_records([TPCheckOptions(tp=3, config=TINY)])
+
+
 def test_layer_without_process_group_is_one_rank_and_rejects_other_groups():
     layer = QSAAttention(TINY)
     assert (layer.tensor_parallel.rank, layer.tensor_parallel.world_size) == (0, 1)

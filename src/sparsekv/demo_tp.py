@@ -43,7 +43,7 @@ from .demo import DEFAULT_QWEN, StageTimer, seed_parameters
 from .layers.checkpoint import open_checkpoint, save_checkpoint, slice_state
 from .layers.config import Qwen4ExpConfig
 from .layers.qsa import Qwen4ExpSlice
-from .layers.tensor_parallel import load_tensor_parallel_weights
+from .layers.tensor_parallel import kv_head_range, load_tensor_parallel_weights
 
 
 class RankError(RuntimeError):
@@ -319,6 +319,8 @@ def tp_records(runs: Sequence[TPCheckOptions]) -> list[tuple[dict, list[dict]]]:
         if (options.tp, options.device, options.timeout_s, options.threads_per_rank) != (
                 first.tp, first.device, first.timeout_s, first.threads_per_rank):
             raise ValueError("runs: expected the same tp, device, timeout_s and threads_per_rank in every run")
+    for options in runs:  # a head count that does not split raises here, before any process starts
+        kv_head_range(options.config.num_key_value_heads, options.config.num_attention_heads, 0, options.tp)
     references = []
     with tempfile.TemporaryDirectory(prefix="sparsekv-tp-ckpt-") as scratch:
         checkpoints = []
