@@ -22,6 +22,14 @@ down to whole pages, so at least one prompt token is always computed (its
 logits are needed). Only full pages are hashed and shared, so a request never
 writes into a shared page and no copy-on-write is needed.
 
+NOTE (design): under tensor parallelism each rank runs its own manager,
+driven with the same calls in the same order, and gets the same page tables
+and prefix hits without communicating: every decision depends only on the
+sequence of calls (SHA-256 page hashes with no per-process seed, free queue
+and LRU order, table rows), never on clocks, addresses or set order. A
+rank's groups may differ in head counts (its share of the KV heads); page
+decisions never read them (``docs/scale-out.md``, ``layers/tensor_parallel.py``).
+
 Lifecycle (page size 16; 40 cached tokens would be 2 full pages + 8)::
 
     mgr = PagedKVCacheManager([CacheGroupSpec("main", 2, 4, 2, 256, torch.bfloat16),
