@@ -156,8 +156,8 @@ def _collect(reports: Sequence[Connection], deadline: float) -> list:
             del pending[rank]
             try:
                 ok, stamp, payload = reader.recv()
-            except EOFError:
-                ok, stamp, payload = False, time.time(), "exited without reporting (killed, or crashed)"
+            except EOFError:  # its death time is unknown; ranks' errors follow a death, not the reverse
+                ok, stamp, payload = False, float("-inf"), "exited without reporting (killed, or crashed)"
             if ok:
                 payloads[rank] = payload
                 continue
