@@ -68,6 +68,10 @@ class AttentionAdapter:
     Subclasses set ``family`` and ``attention_class_names`` and implement
     :meth:`cache_groups` and :meth:`forward`. ``layers[i]`` is the sparsekv
     layer of the ``i``-th patched attention module (its cache layer ``i``).
+    ``forward`` adds to ``tokens_read`` (cached tokens the sparse attention
+    read, summed over query rows and layers) and ``tokens_causal`` (what dense
+    causal attention would have read): int64 scalars on the layers' device,
+    so counting never waits for the device.
     """
 
     family: str = ""
@@ -80,6 +84,12 @@ class AttentionAdapter:
     def __init__(self, text_model: nn.Module, attentions: list[nn.Module]) -> None:
         self.text_model = text_model
         self.attentions = attentions
+        self.reset_read_counts()
+
+    def reset_read_counts(self) -> None:
+        device = self.attentions[0].q_proj.weight.device
+        self.tokens_read = torch.zeros((), dtype=torch.int64, device=device)
+        self.tokens_causal = torch.zeros((), dtype=torch.int64, device=device)
 
     def cache_groups(self, dtype: torch.dtype) -> list[CacheGroupSpec]:
         raise NotImplementedError
@@ -168,6 +178,8 @@ class Qwen4ExpAdapter(AttentionAdapter):
         result = self.layers[ordinal](rows, input_row_offsets=batch.input_row_offsets,
                                       kv_cache=batch.collection("main"), index_cache=batch.collection("indexer"),
                                       cache_layer=ordinal)
+        self.tokens_read += result.counts.sum(dtype=torch.int64)
+        self.tokens_causal += result.positions.sum(dtype=torch.int64) + result.positions.numel()
         return result.output
 
 
