@@ -171,9 +171,14 @@ def test_direct_prefill_and_decode_match_hf(checkpoint, cls):
     assert_no_pages(model)
 
 
-def test_direct_calls_release_pages_with_cache_or_reset(checkpoint):
+def test_direct_calls_release_pages_with_cache_or_reset(checkpoint, monkeypatch):
     ids, mask = left_padded_batch()
     model = patch_model(load(checkpoint), page_size=8, num_pages=32)
+
+    def no_dense_mask(*args, **kwargs):
+        raise AssertionError("the patched model must not build the dense [B, 1, T, S] mask")
+
+    monkeypatch.setattr(transformers.models.qwen4_exp.modeling_qwen4_exp, "create_causal_mask", no_dense_mask)
     manager = get_manager(model)
     with torch.no_grad():
         model(ids, attention_mask=mask, use_cache=False)  # a temporary generation, released at once

@@ -1,12 +1,14 @@
 """One adapter per Hugging Face model family: its indexed-attention layers as sparsekv layers.
 
-An adapter knows a family's attention class (by name, so that nothing here
-imports transformers), builds one sparsekv layer per Hugging Face attention
+An adapter knows a family's attention class (by name), builds one sparsekv
+layer per Hugging Face attention
 module with the module's own weights (the same ``nn.Module`` objects, never
 copies), declares the cache groups those layers read and write, and runs one
-layer on a ragged batch of real (non-padding) token rows. Everything else
-(sessions, padding, HF cache objects, ``generate``) is family-independent and
-lives in :mod:`sparsekv.integrations.transformers`.
+layer on a ragged batch of real (non-padding) token rows. It may also
+replace the masks Hugging Face would build (:meth:`AttentionAdapter.mask_mapping`).
+Everything else (sessions, padding, HF cache objects, ``generate``) is
+family-independent and lives in :mod:`sparsekv.integrations.transformers`,
+the only importer of this module.
 
 Families: ``qwen4_exp`` (:class:`Qwen4ExpAdapter`, QSA indexer + gated
 attention). The MLA families plug in as further subclasses of
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers.masking_utils import create_recurrent_attention_mask
 
 from ..cache.groups import BatchInputs, CacheGroupSpec
 from ..layers.config import Qwen4ExpConfig
@@ -93,6 +96,14 @@ class AttentionAdapter:
 
     def cache_groups(self, dtype: torch.dtype) -> list[CacheGroupSpec]:
         raise NotImplementedError
+
+    def mask_mapping(self, inputs: torch.Tensor, attention_mask: torch.Tensor | None) -> dict | None:
+        """The text model's per-layer-type masks for one call, or ``None`` to let Hugging Face build them.
+
+        ``inputs``: the call's ``input_ids [B, T]`` or ``inputs_embeds [B, T, hidden]``;
+        ``attention_mask``: its 2-d padding mask (or ``None``).
+        """
+        return None
 
     def forward(self, ordinal: int, rows: torch.Tensor, batch: BatchInputs) -> torch.Tensor:
         """Run patched layer ``ordinal`` on ``rows [N, hidden]`` (the batch's real tokens); ``[N, hidden]``."""
@@ -173,6 +184,17 @@ class Qwen4ExpAdapter(AttentionAdapter):
         cfg, count = self.config, len(self.layers)
         return [CacheGroupSpec("main", 2, count, cfg.num_key_value_heads, cfg.head_dim, dtype),
                 CacheGroupSpec("indexer", 1, count, 1, cfg.indexer_head_dim, dtype)]
+
+    def mask_mapping(self, inputs: torch.Tensor, attention_mask: torch.Tensor | None) -> dict:
+        """Hugging Face's masks without the dense ``[B, 1, T, past + T]`` one of the indexed layers.
+
+        The patched layers read no mask (the 2-d padding mask is checked and
+        applied when the call is planned), so building it would only cost
+        ``O(T * (past + T))`` memory per call; the linear-attention layers get
+        Hugging Face's own recurrent mask.
+        """
+        return {"indexed_attention": None,
+                "linear_attention": create_recurrent_attention_mask(self.text_model.config, inputs, attention_mask)}
 
     def forward(self, ordinal: int, rows: torch.Tensor, batch: BatchInputs) -> torch.Tensor:
         result = self.layers[ordinal](rows, input_row_offsets=batch.input_row_offsets,

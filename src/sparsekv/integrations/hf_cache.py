@@ -86,9 +86,6 @@ class Generation:
             self.manager.claim(rid)
         self.request_ids = ids
         self.batch_size = batch_size
-        self.real_lengths = np.zeros(batch_size, dtype=np.int64)
-        self.leading_pads = np.zeros(batch_size, dtype=np.int64)
-        self.shifts = np.zeros(batch_size, dtype=np.int64)
 
     def release(self) -> None:
         """Give every page back to the manager (idempotent); the generation can start again from empty."""
@@ -219,19 +216,27 @@ def plan_call(generation: Generation, batch_size: int, tokens: int, attention_ma
     Raises before changing anything when the mask or positions are not
     supported, or (``InsufficientPagesError``) when the manager lacks pages.
     """
-    if generation.batch_size is None:
-        generation.claim(batch_size)
-    elif generation.batch_size != batch_size:
+    if generation.batch_size is not None and generation.batch_size != batch_size:
         raise ValueError(f"input batch: this cache holds {generation.batch_size} sequences, got a batch of "
                          f"{batch_size}")
+    if generation.batch_size is None:
+        generation.real_lengths = np.zeros(batch_size, dtype=np.int64)
+        generation.leading_pads = np.zeros(batch_size, dtype=np.int64)
+        generation.shifts = np.zeros(batch_size, dtype=np.int64)
     real = _padding_cells(generation, batch_size, tokens, attention_mask)
     shifts = _check_shifts(generation, real, _rope_positions(position_ids, batch_size, tokens,
                                                              generation.seq_length))
     counts = real.sum(axis=1).astype(np.int64)
     manager = generation.manager
+    fresh = generation.batch_size is None
+    if fresh:
+        generation.claim(batch_size)
     needed = sum(manager.pages_needed(rid, int(n)) for rid, n in zip(generation.request_ids, counts))
     if needed > manager.num_available_pages:
-        raise InsufficientPagesError(needed, manager.num_available_pages,
+        available = manager.num_available_pages
+        if fresh:
+            generation.release()
+        raise InsufficientPagesError(needed, available,
                                      hint="end finished generations, or patch the model with more num_pages")
     for rid, n in zip(generation.request_ids, counts):
         manager.allocate(rid, int(n))

@@ -180,6 +180,7 @@ def _wrap_text_forward(state: PatchState) -> None:
     original = text_model.forward
     signature = inspect.signature(original)
     extra_name = _var_keyword_name(signature)
+    mask_index = list(signature.parameters).index("attention_mask")
 
     @functools.wraps(original)
     def forward(*args, **kwargs):
@@ -207,6 +208,12 @@ def _wrap_text_forward(state: PatchState) -> None:
         if cache is not None or not use_cache:
             # Before any layer runs: a refused call (mask, positions, pages) leaves every cache untouched.
             call.plan_for(cache)
+        masks = state.adapter.mask_mapping(inputs, mask)
+        if masks is not None:
+            if len(args) > mask_index:
+                args = (*args[:mask_index], masks, *args[mask_index + 1:])
+            else:
+                kwargs["attention_mask"] = masks
         state.active = call
         try:
             output = original(*args, **kwargs)
