@@ -259,3 +259,13 @@ def test_real_tokens_only_reach_the_cache(checkpoint):
         rows.append(torch.cat([blocks[p] for p in pages], dim=2)[:, :, :length])
     assert torch.allclose(rows[0], rows[1], atol=1e-6, rtol=0)
     np.testing.assert_array_equal(generations[0].leading_pads, [0, max(PROMPT_LENGTHS) - length])
+
+
+def test_run_generate_reports(checkpoint):
+    from sparsekv.integrations.generate import GenerateError, run_generate
+
+    report = run_generate(checkpoint, prompt_tokens=30, new_tokens=3, batch=2, page_size=8, progress=False)
+    assert report.model_type == "qwen4_exp_text" and report.pages_used == 2 * 5  # 33 tokens per row, 8 per page
+    assert 0 < report.sparse_read_fraction < 1 and report.decode_tokens_per_s > 0
+    with pytest.raises(GenerateError, match="config.json"):
+        run_generate(checkpoint / "missing", prompt_tokens=4, new_tokens=1)
