@@ -79,6 +79,8 @@ class AttentionAdapter:
 
     family: str = ""
     attention_class_names: tuple[str, ...] = ()
+    #: Hugging Face cache-layer classes of the patched layers that a fresh cache may hold (replaced on adoption).
+    cache_layer_class_names: tuple[str, ...] = ("DynamicIndexedLayer",)
 
     @classmethod
     def matches(cls, module: nn.Module) -> bool:

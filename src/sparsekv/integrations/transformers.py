@@ -103,7 +103,7 @@ class PatchState:
             generation.check_usable(self)
             return generation
         for layer in current:
-            if type(layer).__name__ != "DynamicIndexedLayer" or layer.get_seq_length() or (
+            if type(layer).__name__ not in self.adapter.cache_layer_class_names or layer.get_seq_length() or (
                     getattr(layer, "indexer_keys", None) is not None and layer.indexer_keys.numel()):
                 raise ValueError(
                     f"past_key_values: its indexed-attention layers are {type(layer).__name__} "
