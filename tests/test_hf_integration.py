@@ -223,6 +223,11 @@ def test_unsupported_features_raise(checkpoint):
             model(ids[:, -1:], past_key_values=foreign)
     with pytest.raises(UnsupportedFeatureError, match="inference-only"):
         model(ids, attention_mask=mask, use_cache=False)
+    step_mask = torch.cat([mask, mask[:, -1:]], 1)
+    with pytest.raises(UnsupportedFeatureError, match="inference-only"):
+        model(ids[:, -1:], attention_mask=step_mask, past_key_values=cache)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="failed midway"):  # HF's layers ran before the error
+        model(ids[:, -1:], attention_mask=step_mask, past_key_values=cache)
     end_generation(cache)
     assert_no_pages(model)
 

@@ -133,7 +133,6 @@ class _ForwardCall:
         self.cache: object = None
         self.plan: CallPlan | None = None
         self.temporary = False
-        self.layers_run = 0
 
     def plan_for(self, cache: object) -> CallPlan:
         if self.plan is not None:
@@ -162,8 +161,8 @@ class _ForwardCall:
         if self.temporary:
             plan.generation.release()
         elif failed:
-            if self.layers_run:
-                plan.generation.broken_reason = "a forward call on this cache failed midway"
+            # Hugging Face's own layers may have updated their part of the cache before the failure.
+            plan.generation.broken_reason = "a forward call on this cache failed midway"
         else:
             plan.generation.commit(plan)
 
@@ -205,15 +204,15 @@ def _wrap_text_forward(state: PatchState) -> None:
         use_cache = arguments.get("use_cache")
         if use_cache is None:
             use_cache = getattr(text_model.config, "use_cache", True)
-        if cache is not None or not use_cache:
-            # Before any layer runs: a refused call (mask, positions, pages) leaves every cache untouched.
-            call.plan_for(cache)
         masks = state.adapter.mask_mapping(inputs, mask)
         if masks is not None:
             if len(args) > mask_index:
                 args = (*args[:mask_index], masks, *args[mask_index + 1:])
             else:
                 kwargs["attention_mask"] = masks
+        if cache is not None or not use_cache:
+            # Before any layer runs: a refused call (mask, positions, pages) leaves every cache untouched.
+            call.plan_for(cache)
         state.active = call
         try:
             output = original(*args, **kwargs)
@@ -254,7 +253,6 @@ def _attention_forward(state: PatchState, ordinal: int):
                 rows = flat.index_select(0, plan.row_index)
                 output.index_copy_(0, plan.row_index, adapter.forward(ordinal, rows, plan.batch))
             output = output.view(batch, tokens, hidden)
-        call.layers_run += 1
         return output, None
 
     return forward
