@@ -94,7 +94,7 @@ class Generation:
         self.request_ids = []
         self.batch_size = None
         self.seq_length = 0
-        self.real_lengths = self.leading_pads = self.shifts = np.zeros(0, dtype=np.int64)
+        self.real_lengths, self.leading_pads, self.shifts = (np.zeros(0, dtype=np.int64) for _ in range(3))
         self.broken_reason = None
         if self.on_release is not None:
             self.on_release(self)
