@@ -93,8 +93,9 @@ class AttentionAdapter:
 
     def reset_read_counts(self) -> None:
         device = self.attentions[0].q_proj.weight.device
-        self.tokens_read = torch.zeros((), dtype=torch.int64, device=device)
-        self.tokens_causal = torch.zeros((), dtype=torch.int64, device=device)
+        with torch.inference_mode(False):  # plain tensors, so calls in and out of inference mode may add to them
+            self.tokens_read = torch.zeros((), dtype=torch.int64, device=device)
+            self.tokens_causal = torch.zeros((), dtype=torch.int64, device=device)
 
     def cache_groups(self, dtype: torch.dtype) -> list[CacheGroupSpec]:
         raise NotImplementedError
