@@ -3,6 +3,9 @@
     python benchmarks/bench_hf.py [--contexts 4096,16384] [--decode-steps 8] [--dtype fp32|bf16]
                                   [--impls eager,sdpa] [--eager-max-context 8192] [--threads N]
 
+The patched side also skips Hugging Face's dense ``[B, 1, T, past + T]``
+mask, which the unpatched side builds for its indexer.
+
 A seeded model with the real QSA attention shapes per layer (head_dim 256,
 RoPE on 64 channels, 2 KV heads, indexer 4 heads x 128, budget 2048 tokens,
 ratio 4) but few and narrow layers (``--layers``, ``--heads``), written with
@@ -27,6 +30,7 @@ import os
 import tempfile
 import time
 
+import numba
 import torch
 from transformers import DynamicCache, Qwen4ExpForCausalLM, Qwen4ExpTextConfig
 
@@ -97,6 +101,13 @@ def run_case(model, timer: AttentionTimer, ids: torch.Tensor, steps: torch.Tenso
     return report
 
 
+def set_threads(threads: int | None) -> None:
+    """Give torch (the unpatched model's attention) and numba (sparsekv's CPU kernels) the same thread count."""
+    if threads:
+        torch.set_num_threads(threads)
+        numba.set_num_threads(threads)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", default="4096,16384", help="prompt lengths, comma-separated")
@@ -108,11 +119,10 @@ def main() -> None:
     parser.add_argument("--impls", default="eager,sdpa", help="Hugging Face attention implementations to time")
     parser.add_argument("--eager-max-context", type=int, default=8192)
     parser.add_argument("--hf-max-context", type=int, default=16384, help="skip the unpatched model above this")
-    parser.add_argument("--threads", type=int, help="torch threads (default: torch's own)")
+    parser.add_argument("--threads", type=int, help="torch and numba threads (default: their own)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     dtype = DTYPES[args.dtype]
     contexts = [int(c) for c in args.contexts.split(",")]
     impls = [name for name in args.impls.split(",") if name]
@@ -130,8 +140,7 @@ def main() -> None:
     warm = torch.randint(0, config.vocab_size, (args.batch, 80))
     for name, model in {**models, "sparsekv": patched}.items():
         run_case(model, timers[name], warm[:, :64], warm[:, 64:66])  # first calls: kernel compiles, allocations
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
 
     rows = []
     for context in contexts:
@@ -168,7 +177,7 @@ def main() -> None:
             print("  ".join("-" * width for width in widths))
     print(f"batch {args.batch}, {args.dtype}, {args.layers} layers ({sum(t == 'indexed_attention' for t in config.layer_types)} "
           f"indexed), {args.heads} query heads; decode: ms per step over {args.decode_steps} steps after the prefill")
-    print(f"torch threads {torch.get_num_threads()}; load average before {load_before[0]:.1f}, after "
+    print(f"torch threads {torch.get_num_threads()}, numba threads {numba.get_num_threads()}; load average before {load_before[0]:.1f}, after "
           f"{os.getloadavg()[0]:.1f} (on {os.cpu_count()} CPUs)")
 
 
