@@ -20,14 +20,16 @@ Peers, measured in the same run (CUDA events, median):
 
 Targets (the ``target`` column): memory-bound kernels >= 70% of copy
 bandwidth; sparse decode attention at 32k tokens, budget 2048, >= 8x faster
-than dense. The ``check`` column is the SPEC 4 comparison with the reference
-(fp32 within 1e-5 relative, bf16 at most one ulp apart and >= 99% equal,
-selections exact). Exit status 1 when a check fails or a case errors.
+than dense. The ``check`` column is the SPEC 4 comparison with the reference,
+the same rule as the kernel tests (``tests/spec4.py``: fp32 within 1e-5
+relative, bf16 at most one ulp apart and >= 99% equal, selections exact).
+Exit status 1 when a check fails or a case errors.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -35,6 +37,7 @@ import sys
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -59,6 +62,7 @@ PROFILES = {
 }
 COPY_TARGET = 0.70
 DENSE_TARGET = 8.0
+ATTENTION_NOISE_FLOOR = 3e-5
 REF_ROW_LIMIT = 256  # the reference loops over rows in Python: only check/time it on this many rows
 
 
@@ -71,38 +75,26 @@ class Result:
 
 
 # ---- comparison (SPEC 4) ------------------------------------------------------
-def spec_check(actual: torch.Tensor, expected: torch.Tensor) -> tuple[bool, str]:
-    actual, expected = actual.detach().cpu(), expected.detach().cpu()
-    if actual.shape != expected.shape or actual.dtype != expected.dtype:
-        return False, f"shape/dtype {tuple(actual.shape)}/{actual.dtype} vs {tuple(expected.shape)}/{expected.dtype}"
-    if not actual.is_floating_point():
-        bad = int((actual != expected).sum())
-        return bad == 0, "exact" if bad == 0 else f"{bad} entries differ"
-    if not torch.equal(torch.isnan(actual), torch.isnan(expected)):
-        return False, "NaN pattern differs"
-    a, e = actual.float(), expected.float()
-    inf_a, inf_e = torch.isinf(a), torch.isinf(e)
-    if not torch.equal(inf_a, inf_e) or not torch.equal(a[inf_a], e[inf_e]):
-        return False, "infinities differ"
-    finite = torch.isfinite(e)
-    a, e = a[finite], e[finite]
-    if e.numel() == 0:
-        return True, "no finite values"
-    if actual.dtype == torch.float32:
-        rel = float((a - e).abs().max() / e.abs().max().clamp_min(1e-30))
-        return rel <= 1e-5, f"rel {rel:.1e}"
-    bits = 16
-    ia = actual.view(torch.int16).to(torch.int32)[finite]
-    ie = expected.view(torch.int16).to(torch.int32)[finite]
-    lo = -(1 << (bits - 1))
-    ulps = (torch.where(ia < 0, lo - ia, ia) - torch.where(ie < 0, lo - ie, ie)).abs()
-    ulps = torch.where((a == 0) & (e == 0), torch.zeros_like(ulps), ulps)
-    worst, equal = int(ulps.max()), float((ulps == 0).float().mean())
-    return worst <= 1 and equal >= 0.99, f"{worst} ulp, {equal:.2%} equal"
+def _load_spec4():
+    """``tests/spec4.py``, the one definition of SPEC 4 agreement that the kernel tests use too."""
+    path = Path(__file__).resolve().parents[1] / "tests" / "spec4.py"
+    spec = importlib.util.spec_from_file_location("sparsekv_tests_spec4", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def check_all(pairs) -> tuple[bool, str]:
-    results = [spec_check(a, e) for a, e in pairs]
+SPEC4 = _load_spec4()
+
+
+def spec_check(actual: torch.Tensor, expected: torch.Tensor, *, noise_floor: float = 0.0) -> tuple[bool, str]:
+    """SPEC 4 agreement as the kernel tests judge it (``tests/spec4.py``): float32 within 1e-5 relative
+    plus 1e-5 of the largest value, 16-bit at most one ulp apart and 99% equal, integers exact."""
+    return SPEC4.spec_close(actual, expected, scale_atol=1e-5, noise_floor=noise_floor)
+
+
+def check_all(pairs, *, noise_floor: float = 0.0) -> tuple[bool, str]:
+    results = [spec_check(a, e, noise_floor=noise_floor) for a, e in pairs]
     return all(ok for ok, _ in results), "; ".join(detail for _, detail in results)
 
 
@@ -300,7 +292,8 @@ class Checker:
         expected, actual = outputs(check_rows), outputs(check_rows)
         run(self.ref["qsa"], *expected, rows=check_rows)
         run(self.tri["qsa"], *actual, rows=check_rows)
-        check = check_all(zip(actual, expected))
+        # bf16 outputs that are the cancellation of their terms: the tests' noise floor (docs/spec-notes.md)
+        check = check_all(zip(actual, expected), noise_floor=ATTENTION_NOISE_FLOOR)
         full = outputs(total)
         kv_bytes = total * self.p["budget"] * m["kv_heads"] * m["dim"] * 2 * 2
         moved = payload(kv_bytes + nbytes(q, indices), nbytes(full[0]))

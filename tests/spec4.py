@@ -1,4 +1,5 @@
-"""The SPEC 4 comparison every kernel test uses: one definition of "agrees with the reference".
+"""The SPEC 4 comparison every kernel test and ``benchmarks/gpu_check.py`` use: one definition of
+"agrees with the reference".
 
 float32: ``|actual - expected| <= 1e-5 * |expected| + scale_atol * max|expected|``
 (infinities must match exactly); bfloat16/float16: at most one ulp apart
@@ -24,17 +25,27 @@ def ordered_bits(x: torch.Tensor) -> torch.Tensor:
     return torch.where(bits < 0, -(bits & 0x7FFF), bits)
 
 
-def assert_spec_close(actual: torch.Tensor, expected: torch.Tensor, *, what: str = "",
-                      scale_atol: float = 1e-6, nan_ok: bool = False, noise_floor: float = 0.0) -> None:
-    """Assert SPEC 4 agreement; ``what`` names the comparison in failure messages."""
-    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
-    actual, expected = actual.cpu(), expected.cpu()
-    if not nan_ok:
-        assert not torch.isnan(actual).any(), f"{what}: NaN in the output (unwritten or poisoned elements)"
-    assert torch.equal(torch.isnan(actual), torch.isnan(expected)), f"{what}: NaN pattern differs"
+def spec_close(actual: torch.Tensor, expected: torch.Tensor, *, scale_atol: float = 1e-6, nan_ok: bool = False,
+               noise_floor: float = 0.0) -> tuple[bool, str]:
+    """``(agrees, detail)``: the SPEC 4 comparison without raising (``benchmarks/gpu_check.py`` reports it).
+
+    Integer tensors (selections, ids) must be equal. ``detail`` says why a
+    comparison fails, or how close it came when it passes.
+    """
+    if actual.shape != expected.shape:
+        return False, f"shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    if actual.dtype != expected.dtype:
+        return False, f"dtype {actual.dtype} != {expected.dtype}"
+    actual, expected = actual.detach().cpu(), expected.detach().cpu()
+    if not actual.is_floating_point():
+        differ = int((actual != expected).sum())
+        return differ == 0, "exact" if differ == 0 else f"{differ} entries differ"
+    if not nan_ok and bool(torch.isnan(actual).any()):
+        return False, "NaN in the output (unwritten or poisoned elements)"
+    if not torch.equal(torch.isnan(actual), torch.isnan(expected)):
+        return False, "NaN pattern differs"
     if actual.numel() == 0:
-        return
+        return True, "empty"
     if actual.dtype in (torch.bfloat16, torch.float16):
         ulps = (ordered_bits(actual) - ordered_bits(expected)).abs()
         ulps = torch.where(torch.isnan(expected), torch.zeros_like(ulps), ulps)
@@ -43,16 +54,30 @@ def assert_spec_close(actual: torch.Tensor, expected: torch.Tensor, *, what: str
             floor = noise_floor * float(e[torch.isfinite(e)].abs().max()) if torch.isfinite(e).any() else 0.0
             cancelled = (e.abs() <= floor) & ((a - e).abs() <= floor)
             ulps = torch.where(cancelled, torch.clamp(ulps, max=1), ulps)
-        assert int(ulps.max()) <= 1, f"{what}: {int(ulps.max())} ulps apart"
-        equal = float((ulps == 0).float().mean())
-        assert equal >= 0.99, f"{what}: only {equal:.2%} equal"
-        return
+        worst, equal = int(ulps.max()), float((ulps == 0).float().mean())
+        if worst > 1:
+            return False, f"{worst} ulps apart"
+        if equal < 0.99:
+            return False, f"only {equal:.2%} equal"
+        return True, f"{worst} ulp apart at most, {equal:.2%} equal"
     a, e = actual.double(), expected.double()
     finite = torch.isfinite(e)
-    assert torch.equal(finite, torch.isfinite(a)), f"{what}: inf/NaN positions differ"
+    if not torch.equal(finite, torch.isfinite(a)):
+        return False, "inf/NaN positions differ"
     infinite = torch.isinf(e)
-    assert torch.equal(a[infinite], e[infinite]), f"{what}: inf mismatch"
+    if not torch.equal(a[infinite], e[infinite]):
+        return False, "inf mismatch"
     err = (a[finite] - e[finite]).abs()
     scale = e[finite].abs().max() if finite.any() else 0.0
     bound = 1e-5 * e[finite].abs() + scale_atol * scale
-    assert bool((err <= bound).all()), f"{what}: max error {float(err.max()) if err.numel() else 0.0}"
+    worst = float(err.max()) if err.numel() else 0.0
+    if not bool((err <= bound).all()):
+        return False, f"max error {worst:.3g} over the bound 1e-5*|expected| + {scale_atol:g}*max|expected|"
+    return True, f"max error {worst:.1e}"
+
+
+def assert_spec_close(actual: torch.Tensor, expected: torch.Tensor, *, what: str = "",
+                      scale_atol: float = 1e-6, nan_ok: bool = False, noise_floor: float = 0.0) -> None:
+    """Assert SPEC 4 agreement (:func:`spec_close`); ``what`` names the comparison in failure messages."""
+    ok, detail = spec_close(actual, expected, scale_atol=scale_atol, nan_ok=nan_ok, noise_floor=noise_floor)
+    assert ok, f"{what}: {detail}"

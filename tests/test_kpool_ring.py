@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from sparsekv import (
     mla_kpool_ring_close,
     mla_kpool_seed_tail,
 )
+from sparsekv.ops._registry import load_kernel
 from sparsekv.kernels.cpu import kpool as cpu
 from sparsekv.kernels.reference import kpool as ref
 
@@ -148,7 +150,11 @@ def test_ring_close_skips_aligned_and_short_requests(backend):
     assert torch.equal(closed[3], k[5])  # "last": position 3 is this call's row 5
 
 
-@pytest.mark.parametrize("backend", [ref, cpu], ids=["reference", "cpu"])
+#: The seed tail of each backend as the op registry picks it (the CPU backend runs the reference's).
+SEED_TAILS = {backend: load_kernel(backend, "kpool", "mla_kpool_seed_tail") for backend in ("reference", "cpu")}
+
+
+@pytest.mark.parametrize("backend", sorted(SEED_TAILS))
 def test_seed_tail_writes_only_the_open_members(backend):
     kpool, dim = 4, 4
     ring = torch.full((3, 2, kpool, dim), float("nan"))
@@ -156,8 +162,8 @@ def test_seed_tail_writes_only_the_open_members(backend):
     gate = -k
     # seq 0: c=6, n=7 -> position 12 (row 6) at member 0; seq 1: c=5, n=1 -> position 5 (row 7) at member 1
     offsets = torch.tensor([0, 7, 8], dtype=torch.int32)
-    backend.mla_kpool_seed_tail(ring, torch.tensor([2, 0], dtype=torch.int32), k, gate, offsets,
-                                torch.tensor([6, 5], dtype=torch.int32), kpool)
+    SEED_TAILS[backend](ring, torch.tensor([2, 0], dtype=torch.int32), k, gate, offsets,
+                        torch.tensor([6, 5], dtype=torch.int32), kpool)
     written = ~torch.isnan(ring[:, 0, :, 0])
     assert written.nonzero().tolist() == [[0, 1], [2, 0]]
     assert torch.equal(ring[2, 0, 0], k[6]) and torch.equal(ring[2, 1, 0], gate[6])
@@ -165,7 +171,7 @@ def test_seed_tail_writes_only_the_open_members(backend):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
-def test_ring_ops_cpu_matches_reference(dtype):
+def test_ring_close_cpu_matches_reference(dtype):
     gen = torch.Generator().manual_seed(17)
     kpool, dim, batch = 4, 60, 7
     lengths = torch.randint(0, 9, (batch,), generator=gen)
@@ -188,10 +194,86 @@ def test_ring_ops_cpu_matches_reference(dtype):
         assert_spec_close(outs[1][0], outs[0][0], what=mode, scale_atol=1e-7)
         if mode != "softmax":  # no exp: the same roundings as the reference
             assert torch.equal(outs[0][0].view(torch.uint8), outs[1][0].view(torch.uint8))
-    rings = [ring.clone(), ring.clone()]
-    ref.mla_kpool_seed_tail(rings[0], slots, k, gate, offsets, cache, kpool)
-    cpu.mla_kpool_seed_tail(rings[1], slots, k, gate, offsets, cache, kpool)
-    assert torch.equal(rings[0].view(torch.uint8), rings[1].view(torch.uint8))
+
+
+def seed_tail_oracle(ring, slot_ids, k, gate, offsets, cache_lengths, kpool):
+    """SPEC 3.2 one sequence at a time: each row of the still-open pool goes to member ``position % kpool``."""
+    ring = ring.clone()
+    for b in range(len(cache_lengths)):
+        c, start, end = int(cache_lengths[b]), int(offsets[b]), int(offsets[b + 1])
+        open_from = max((c + end - start) // kpool * kpool, c)  # first position of the open pool's members
+        for row in range(start, end):
+            position = c + row - start
+            if position >= open_from:
+                ring[int(slot_ids[b]), 0, position % kpool] = k[row]
+                ring[int(slot_ids[b]), 1, position % kpool] = gate[row]
+    return ring
+
+
+@pytest.mark.parametrize("backend", sorted(SEED_TAILS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_seed_tail_matches_a_per_sequence_oracle(backend, dtype):
+    seed = random.randrange(2**31)
+    print(f"seed {seed}")
+    gen = torch.Generator().manual_seed(seed)
+    for kpool in (1, 3, 4):
+        batch, dim = 7, 60
+        lengths = torch.randint(0, 3 * kpool + 2, (batch,), generator=gen)
+        lengths[0] = 0  # an empty sequence in the batch
+        cache = torch.randint(0, 30, (batch,), generator=gen).to(torch.int32)
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(torch.int32)
+        k = torch.randn(int(offsets[-1]), dim, generator=gen).to(dtype)
+        gate = torch.randn(int(offsets[-1]), dim, generator=gen).to(dtype)
+        ring = torch.randn(batch + 2, 2, kpool, dim, generator=gen).to(dtype)
+        slots = torch.randperm(batch + 2, generator=gen)[:batch].to(torch.int32)
+        expected = seed_tail_oracle(ring, slots, k, gate, offsets, cache, kpool)
+        SEED_TAILS[backend](ring, slots, k, gate, offsets, cache, kpool)
+        assert torch.equal(ring.view(torch.uint8), expected.view(torch.uint8)), f"kpool {kpool}, seed {seed}"
+
+
+# ---------------------------------------------------------------------------
+# a step that raises changes nothing
+# ---------------------------------------------------------------------------
+def _step_case():
+    """Sequence 0 (c=6, n=7) closes pool 1, compresses pool 2 and seeds position 12 into its ring slot;
+    sequence 1 (c=1, n=2) only seeds positions 1, 2. Pooled pages hold PAGE_SIZE // kpool = 4 pools."""
+    kpool, dim = 4, 8
+    gen = torch.Generator().manual_seed(11)
+    k, gate = torch.randn(9, dim, generator=gen), torch.randn(9, dim, generator=gen)
+    ape = torch.randn(kpool, dim, generator=gen)
+    ring = torch.randn(3, 2, kpool, dim, generator=gen)
+    blocks = torch.randn(4, 1, 2, PAGE_SIZE // kpool, 1, dim, generator=gen)
+    table = torch.tensor([[2, 0], [3, 1]], dtype=torch.int32)
+    return dict(ring=ring, slot_ids=torch.tensor([2, 0]), k=k, gate=gate, ape=ape,
+                input_row_offsets=torch.tensor([0, 7, 9]), cache_lengths=torch.tensor([6, 1])), blocks, table, kpool
+
+
+def _run_step(args, blocks, table, kpool, layer):
+    pooled_cache = make_pooled_collection(blocks, args["cache_lengths"], table, kpool=kpool)
+    return kpool_indexer_step(**args, pooled_collection=pooled_cache, layer_idx=layer, kpool=kpool)
+
+
+@pytest.mark.parametrize("problem", ["layer", "sentinel page", "page out of range"])
+def test_indexer_step_that_raises_leaves_ring_and_cache_as_they_were(problem):
+    args, blocks, table, kpool = _step_case()
+    fresh_args, fresh_blocks = {**args, "ring": args["ring"].clone()}, blocks.clone()
+    ring_before, blocks_before = args["ring"].clone(), blocks.clone()
+    bad_table, layer = table.clone(), 1
+    if problem == "layer":
+        layer = 2  # the pooled cache has layers 0 and 1
+    else:
+        bad_table[0, 0] = -1 if problem == "sentinel page" else 4  # where sequence 0's pools 1 and 2 go
+    with pytest.raises(ValueError, match="layer_idx" if problem == "layer" else "sequence 0, position 1"):
+        _run_step(args, blocks, bad_table, kpool, layer)
+    assert torch.equal(args["ring"].view(torch.uint8), ring_before.view(torch.uint8))
+    assert torch.equal(blocks.view(torch.uint8), blocks_before.view(torch.uint8))
+    # a retry with good arguments gives what a first call gives
+    retried = _run_step(args, blocks, table, kpool, 1)
+    fresh = _run_step(fresh_args, fresh_blocks, table, kpool, 1)
+    assert retried.closed_ids.tolist() == fresh.closed_ids.tolist() == [1, -1]
+    assert torch.equal(retried.closed, fresh.closed) and torch.equal(retried.pooled, fresh.pooled)
+    assert torch.equal(args["ring"], fresh_args["ring"]) and torch.equal(blocks, fresh_blocks)
+    assert not torch.equal(blocks, blocks_before)  # the retry did store pools 1 and 2
 
 
 # ---------------------------------------------------------------------------
@@ -219,9 +301,10 @@ def _ring_args():
 def test_ring_errors(change, message):
     args = _ring_args()
     args.update(change)
-    with pytest.raises(ValueError, match=message):
+    error = TypeError if "dtype" in message else ValueError
+    with pytest.raises(error, match=message):
         mla_kpool_seed_tail(**args, kpool=4)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(error, match=message):
         mla_kpool_ring_close(**args, ape=torch.zeros(4, 8), kpool=4)
 
 

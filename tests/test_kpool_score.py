@@ -87,8 +87,8 @@ def score_case(dtype, seed, *, kpool=4, heads=5, dim=64, pools_per_page=3):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
-def test_score_matches_brute_force(dtype):
-    coll, q, w, positions, offsets, pooled_keys, seq_of_row = score_case(dtype, seed=21)
+def test_score_matches_brute_force(dtype, seed):
+    coll, q, w, positions, offsets, pooled_keys, seq_of_row = score_case(dtype, seed=seed)
     scores = mla_kpool_score(q, w, coll, 1, positions, offsets, kpool=4)
     assert scores.shape == (q.shape[0], 45 // 4)  # default width: the most pools a row sees
     expected = brute_force_scores(q, w, pooled_keys, seq_of_row, positions.tolist(), 4, scores.shape[1])
@@ -96,8 +96,8 @@ def test_score_matches_brute_force(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-@pytest.mark.parametrize("seed, dim", [(31, 60), (32, 61)])  # odd D: bf16 channel pairs get a zero channel
-def test_score_cpu_matches_reference(dtype, seed, dim):
+@pytest.mark.parametrize("dim", [60, 61])  # odd D: bf16 channel pairs get a zero channel
+def test_score_cpu_matches_reference(dtype, dim, seed):
     coll, q, w, positions, offsets, _, _ = score_case(dtype, seed, kpool=2, heads=7, dim=dim, pools_per_page=4)
     out_cols = 30
     got = torch.full((q.shape[0], out_cols), float("nan"))
@@ -127,13 +127,13 @@ def test_score_errors():
         mla_kpool_score(**call, kpool=4, out_cols=10)
     with pytest.raises(ValueError, match="q: expected head dim 64"):
         mla_kpool_score(**{**call, "q": q[..., :32]}, kpool=4)
-    with pytest.raises(ValueError, match="q: expected the pooled cache's dtype"):
+    with pytest.raises(TypeError, match="q: expected the pooled cache's dtype"):
         mla_kpool_score(**{**call, "q": q.to(torch.bfloat16)}, kpool=4)
     with pytest.raises(ValueError, match=r"head_weights: expected shape \(13, 5\)"):
         mla_kpool_score(**{**call, "head_weights": w[:, :4]}, kpool=4)
     with pytest.raises(ValueError, match="query_positions: expected values >= 0"):
         mla_kpool_score(**{**call, "query_positions": positions - 30}, kpool=4)
-    with pytest.raises(ValueError, match="last offset 12 must equal q rows 13"):
+    with pytest.raises(ValueError, match="expected the last offset to equal the 13 q rows, got 12"):
         mla_kpool_score(**{**call, "input_row_offsets": offsets.clamp_max(12)}, kpool=4)
     with pytest.raises(ValueError, match="layer_idx: expected < num_layers = 2"):
         mla_kpool_score(**{**call, "layer_idx": 2}, kpool=4)
@@ -147,13 +147,18 @@ def test_score_missing_page_raises_before_writing(backend):
     table = coll.lookup_table.clone()
     table[2, 1] = -1  # sequence 2, pools 3..5, visible to its rows at t >= 15
     broken = PagedKVCacheCollection(coll.blocks, coll.cache_lengths, table, 10, 20)
+    row = int(offsets[2]) + int(torch.nonzero(positions[offsets[2]:offsets[3]] >= 15)[0])
+    # the error names the row and the position the caller passed, then the pool and its page
+    message = (rf"query_positions: row {row} \(sequence 2\) at position {int(positions[row])} sees pool 3 "
+               r"\(positions 12..15\), which has no page in the pooled cache: its page \(lookup_table\[2, 1\]\) "
+               r"is the sentinel")
     if backend == "public":
-        with pytest.raises(ValueError, match="sequence 2, position 3: its page is unassigned"):
+        with pytest.raises(ValueError, match=message):
             mla_kpool_score(q, w, broken, 1, positions, offsets, kpool=4)
         return
     scores = torch.full((q.shape[0], 11), 7.0)
     kernels = ref if backend == "reference" else cpu
-    with pytest.raises(ValueError, match="sequence 2, position 3"):
+    with pytest.raises(ValueError, match=message):
         kernels.mla_kpool_score(scores, q, w, broken.blocks, table, positions, offsets, 4, 1)
     assert bool((scores == 7.0).all()), "wrote before raising"
 
@@ -282,7 +287,7 @@ def test_store_pooled_keys_sentinel_page_and_bad_ids():
     coll = make_pooled_collection(blocks, torch.tensor([4]), table, kpool=kpool)
     pooled = torch.randn(2, dim)
     args = (torch.zeros(1, dim), torch.tensor([-1]), pooled, torch.tensor([0, 2]), torch.tensor([4]))
-    with pytest.raises(ValueError, match="sequence 0, position 2: its page is unassigned"):
+    with pytest.raises(ValueError, match=r"sequence 0, position 2: its page \(lookup_table\[0, 1\]\) is the sentinel"):
         store_pooled_keys(coll, 0, *args, kpool=kpool)
     assert torch.isnan(blocks).all(), "wrote before raising"
     with pytest.raises(ValueError, match=r"closed_ids: expected floor\(cache_lengths / kpool\) = \[1\]"):
@@ -321,3 +326,33 @@ def test_score_cpu_many_pools_and_rows_equals_reference_and_rows_alone(dtype, he
         cpu.mla_kpool_score(alone, q[r : r + 1], w[r : r + 1], blocks, table[seq : seq + 1], positions[r : r + 1],
                             torch.tensor([0, 1], dtype=torch.int32), kpool, 0)
         assert torch.equal(alone[0], got[r]), f"row {r} scored alone differs from the batched call"
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_score_far_position_is_refused_in_bounded_memory(backend, monkeypatch):
+    """A position far past the pooled cache raises on the table alone: nothing is sized by the position
+    (the reference once listed 2**29 pools first and was killed for memory)."""
+    monkeypatch.setenv("SPARSEKV_BACKEND", backend)
+    coll, q, w, positions, offsets, _, _ = score_case(torch.float32, seed=27)
+    far = positions.clone()
+    far[-1] = 2**31 - 1
+    row, seq = q.shape[0] - 1, coll.batch_size - 1
+    with pytest.raises(ValueError, match=rf"query_positions: row {row} \(sequence {seq}\) at position 2147483647 "
+                                         r"sees pool \d+ .* beyond the lookup table"):
+        mla_kpool_score(q, w, coll, 1, far, offsets, kpool=4)
+    scores = torch.full((q.shape[0], 4), 7.0)  # a kernel called directly caps visibility at out_cols
+    kernels = ref if backend == "reference" else cpu
+    kernels.mla_kpool_score(scores, q, w, coll.blocks, coll.lookup_table, far, offsets, 4, 1)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_score_raising_call_leaves_out_untouched(backend, monkeypatch):
+    monkeypatch.setenv("SPARSEKV_BACKEND", backend)
+    coll, q, w, positions, offsets, _, _ = score_case(torch.float32, seed=28, pools_per_page=3)
+    table = coll.lookup_table.clone()
+    table[2, 1] = coll.num_pages + 2
+    broken = PagedKVCacheCollection(coll.blocks, coll.cache_lengths, table, 10, 20)
+    out = torch.full((q.shape[0], 11), float("nan"))
+    with pytest.raises(ValueError, match=rf"is {coll.num_pages + 2}, outside \[0, {coll.num_pages}\)"):
+        mla_kpool_score(q, w, broken, 1, positions, offsets, kpool=4, out=out)
+    assert bool(out.isnan().all()), "wrote before raising"

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sparsekv import SENTINEL, UINT32_SENTINEL, PagedKVCacheCollection
+from sparsekv import SENTINEL, UINT32_SENTINEL, PagedKVCacheCollection, paged_store
 from sparsekv.cache.layout import packed_page_elements
 
 
@@ -91,6 +91,25 @@ def test_store_load_round_trip_ragged(dtype, lengths, pad, layer, plane, seed):
     assert torch.equal(flat[~touched], before[~touched])
 
 
+@pytest.mark.parametrize("plane", [0, 1])
+def test_view_store_is_storage_only_and_writes_what_the_op_writes(monkeypatch, plane):
+    """``PagedKVCache.store`` runs the storage's own address math, without the op registry."""
+    coll, flat, _ = make_collection(num_pages=7, kv=2, layers=2, page_size=4, heads=2, head_size=3,
+                                    cache_lengths=[5, 0, 2], pad=5, dtype=torch.bfloat16, max_seq_length=4)
+    op_coll = PagedKVCacheCollection(torch.empty_like(flat).copy_(flat).as_strided(
+        coll.blocks.shape, coll.blocks.stride(), 3), coll.cache_lengths, coll.lookup_table,
+        max_seq_length=4, max_cache_length=5, page_stride=coll.page_stride)
+    offsets = torch.tensor([0, 4, 5, 7], dtype=torch.int32)
+    values = torch.randn(7, 2, 3).to(torch.bfloat16)
+    paged_store(op_coll, values, offsets, layer_idx=1, plane=plane)
+    monkeypatch.setenv("SPARSEKV_BACKEND", "not-a-backend")  # any op call would raise now
+    view = coll.get_key_cache(1) if plane == 0 else coll.get_value_cache(1)
+    view.store(values, offsets)
+    assert torch.equal(coll.blocks.view(torch.int16), op_coll.blocks.view(torch.int16))
+    with pytest.raises(ValueError, match="SPARSEKV_BACKEND"):
+        paged_store(op_coll, values, offsets, layer_idx=1, plane=plane)
+
+
 @pytest.mark.parametrize("bad_page", [SENTINEL, 9, 1000])
 def test_store_through_missing_page_raises_and_writes_nothing(bad_page):
     coll, flat, _ = make_collection(num_pages=9, kv=2, layers=1, page_size=4, heads=1, head_size=2,
@@ -108,7 +127,7 @@ def test_load_beyond_table_or_negative_raises():
                                  cache_lengths=[5])
     with pytest.raises(ValueError, match="beyond the lookup table"):
         coll.get_key_cache(0).load(0, torch.tensor([100]))
-    with pytest.raises(ValueError, match="negative position"):
+    with pytest.raises(ValueError, match="position -1 is negative"):
         coll.get_key_cache(0).load(0, torch.tensor([-1]))
 
 
@@ -124,11 +143,44 @@ def test_uint32_lookup_table_and_sentinel():
         coll.get_key_cache(0).load(0, torch.tensor([2]))
 
 
-def test_int64_table_values_beyond_int32_stay_invalid():
+def test_int64_values_beyond_int32_are_reported_as_passed():
     blocks = torch.zeros(2, 1, 1, 2, 1, 2)
-    coll = PagedKVCacheCollection(blocks, torch.tensor([1]), torch.tensor([[2**32]]), 0, 1)
-    with pytest.raises(ValueError, match="sequence 0, position 0"):
-        coll.get_key_cache(0).load(0, torch.tensor([0]))
+    with pytest.raises(ValueError, match=r"lookup_table: .*fit in int32.*got 4294967296 at index \[0, 0\]"):
+        PagedKVCacheCollection(blocks, torch.tensor([1]), torch.tensor([[2**32]]), 0, 1)
+    with pytest.raises(ValueError, match=r"cache_lengths: .*fit in int32.*got 1099511627776 at index 1"):
+        PagedKVCacheCollection(blocks, torch.tensor([3, 2**40]), torch.zeros(2, 1, dtype=torch.int64), 0, 1)
+    with pytest.raises(ValueError, match=r"cache_lengths: .*fit in int32.*got 3000000000 at index 0"):
+        PagedKVCacheCollection(blocks, torch.tensor([3_000_000_000]).to(torch.uint32),
+                               torch.zeros(1, 1, dtype=torch.int32), 0, 1)
+
+
+def test_negative_page_ids_are_not_called_the_sentinel():
+    coll, _, _ = make_collection(num_pages=4, kv=1, layers=1, page_size=4, heads=1, head_size=2,
+                                 cache_lengths=[5])
+    coll.lookup_table[0, 1] = -7
+    with pytest.raises(ValueError, match=r"sequence 0, position 5: its page \(lookup_table\[0, 1\]\) is -7, "
+                                         r"outside \[0, 4\)"):
+        coll.get_key_cache(0).load(0, torch.tensor([5]))
+    coll.lookup_table[0, 1] = -1
+    with pytest.raises(ValueError, match="is the sentinel"):
+        coll.get_key_cache(0).load(0, torch.tensor([5]))
+
+
+@pytest.mark.parametrize("value", [2.7, 3.0, "3", None])
+def test_max_seq_length_must_be_an_int(value):
+    with pytest.raises(TypeError, match="max_seq_length: expected an int"):
+        PagedKVCacheCollection(torch.zeros(2, 1, 1, 2, 1, 2), torch.tensor([1]), torch.zeros(1, 1, dtype=torch.int32),
+                               value, 1)
+
+
+def test_store_of_more_rows_than_max_seq_length_raises_and_writes_nothing():
+    coll, flat, _ = make_collection(num_pages=4, kv=1, layers=1, page_size=4, heads=1, head_size=2,
+                                    cache_lengths=[0, 1], max_seq_length=2)
+    before = flat.clone()
+    with pytest.raises(ValueError, match="sequence 1 stores 3 rows, more than the collection's max_seq_length = 2"):
+        coll.get_key_cache(0).store(torch.ones(5, 1, 2), torch.tensor([0, 2, 5]))
+    assert torch.equal(flat, before)
+    coll.get_key_cache(0).store(torch.ones(4, 1, 2), torch.tensor([0, 2, 4]))  # two rows each: allowed
 
 
 def test_constructor_and_view_errors():
@@ -165,7 +217,7 @@ def test_store_argument_errors():
         view.store(torch.zeros(2, 2, 2), torch.tensor([0, 2]))
     with pytest.raises(TypeError, match="values: expected dtype"):
         view.store(torch.zeros(2, 1, 2, dtype=torch.float16), torch.tensor([0, 2]))
-    with pytest.raises(ValueError, match="last offset 3 must equal values rows 2"):
+    with pytest.raises(ValueError, match="expected the last offset to equal the 2 rows of values, got 3"):
         view.store(torch.zeros(2, 1, 2), torch.tensor([0, 3]))
     with pytest.raises(ValueError, match="non-decreasing"):
         coll2, _, _ = make_collection(num_pages=4, kv=2, layers=1, page_size=4, heads=1, head_size=2,

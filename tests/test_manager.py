@@ -517,3 +517,24 @@ def test_misuse_is_a_value_error_naming_the_problem():
     with pytest.raises(ValueError, match="unknown request"):
         mgr.release("a")
     mgr.check_invariants()
+
+
+def test_wrong_types_are_type_errors_and_wrong_values_value_errors():
+    from sparsekv.cache.groups import CacheGroupSpec
+
+    with pytest.raises(TypeError, match="CacheGroupSpec.name: expected a str, got int 3"):
+        CacheGroupSpec(3, 1, 1, 1, 8, torch.float32)
+    with pytest.raises(ValueError, match="CacheGroupSpec.name: expected a non-empty str"):
+        CacheGroupSpec("", 1, 1, 1, 8, torch.float32)
+    mgr = PagedKVCacheManager([CacheGroupSpec("kv", 2, 1, 1, 8, torch.float32)], page_size=4, num_pages=4)
+    mgr.claim("a")
+    mgr.claim("b")
+    with pytest.raises(TypeError, match="num_new_tokens: expected an int or 2 ints"):
+        mgr.prepare(["a", "b"], [1.5, 2.0])
+    with pytest.raises(ValueError, match=r"num_new_tokens: expected an int or 2 ints \(one per request\)"):
+        mgr.prepare(["a", "b"], [1, 2, 3])
+    with pytest.raises(ValueError, match="num_new_tokens: expected values >= 0, got -3 for request 'b'"):
+        mgr.prepare(["a", "b"], [0, -3])
+    with pytest.raises(ValueError, match=r"prompt_token_ids: .*got 9223372036854775808"):
+        mgr.claim("c", [1, 2**63])
+    mgr.check_invariants()

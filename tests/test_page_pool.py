@@ -118,3 +118,57 @@ def test_check_invariants_detects_corruption():
     a.page_hash = H[3]  # a hash without a map entry
     with pytest.raises(RuntimeError, match="map back"):
         pool.check_invariants()
+
+
+def test_shared_hashed_pages_count_holders_and_become_evictable_in_lru_order():
+    """Two requests share two hashed pages (a prefix hit), then release them; a third request reuses them."""
+    pool = PagePool(6)
+    first = pool.allocate(3)  # request A: a two-page prefix, then a private page
+    pool.register(first[0], H[0])
+    pool.register(first[1], H[1])
+    holders = {0: 1, 1: 1, 2: 1}
+    pool.check_invariants(holders)
+
+    shared = [pool.lookup(H[0]), pool.lookup(H[1])]  # request B hits both prefix pages
+    assert shared == first[:2]
+    pool.acquire(shared)
+    (private_b,) = pool.allocate(1)
+    holders.update({0: 2, 1: 2, private_b.page_id: 1})
+    assert [r.ref_count for r in shared] == [2, 2]
+    pool.check_invariants(holders)
+
+    pool.release([first[2], first[1], first[0]])  # A leaves, last page first
+    holders.update({0: 1, 1: 1})
+    del holders[2]
+    assert [r.ref_count for r in shared] == [1, 1] and pool.num_evictable == 0  # B still holds them
+    assert pool.lookup(H[0]) is shared[0] and pool.lookup(H[1]) is shared[1]
+    pool.check_invariants(holders)
+
+    pool.release([private_b, shared[1], shared[0]])  # B leaves: now nobody holds the prefix
+    assert [r.ref_count for r in shared] == [0, 0] and pool.num_evictable == 2
+    assert pool.queue_order()[-2:] == [1, 0]  # deepest prefix page evicted first, the root last
+    pool.check_invariants({})
+
+    hit = pool.lookup(H[0])  # request C: a prefix hit on the root page revives it
+    assert hit is shared[0]
+    pool.acquire([hit])
+    assert hit.ref_count == 1 and pool.num_evictable == 1
+    pool.check_invariants({0: 1})
+    taken = pool.allocate(pool.num_free + 1)  # every free page, then the one evictable page (page 1)
+    assert taken[-1] is shared[1] and shared[1].page_hash is None and pool.lookup(H[1]) is None
+    assert pool.lookup(H[0]) is hit  # the held root page keeps its hash
+    pool.check_invariants({0: 1, **{r.page_id: 1 for r in taken}})
+    pool.release(taken + [hit])
+    pool.check_invariants({})
+    assert pool.num_evictable == 1 and pool.queue_order()[-1] == 0
+
+
+def test_releasing_a_shared_page_more_often_than_held_changes_nothing():
+    pool = PagePool(3)
+    (page,) = pool.allocate(1)
+    pool.register(page, H[0])
+    pool.acquire([page])
+    with pytest.raises(RuntimeError, match="released more often"):
+        pool.release([page, page, page])
+    assert page.ref_count == 2
+    pool.check_invariants({0: 2})

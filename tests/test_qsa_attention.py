@@ -38,9 +38,9 @@ def main_cache(rng, lengths, kv_heads, dim, dtype, *, num_layers=2, layer=1, pag
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
-def test_equals_dense_causal_attention_within_budget(dtype):
+def test_equals_dense_causal_attention_within_budget(dtype, seed):
     """t + 1 <= budget + R - 1 selects every causal token: the result is dense causal attention."""
-    rng = random.Random(31 + DTYPES.index(dtype))
+    rng = random.Random(seed)
     ratio, budget, dim, kv_heads, q_heads = 4, 8, 16, 2, 6
     rows_per_seq = [3, 1, 5]
     cache_lengths = [4, 0, 6]  # every row's t + 1 <= 11 = budget + ratio - 1
@@ -62,10 +62,9 @@ def test_equals_dense_causal_attention_within_budget(dtype):
         torch.testing.assert_close(out[r].float(), want, rtol=tol, atol=tol)
 
 
-def test_whole_step_equals_attention_over_brute_force_top_k():
+def test_whole_step_equals_attention_over_brute_force_top_k(seed):
     """Beyond the budget: compress -> score -> select -> attention equals SDPA over the brute-force top-k."""
-    rng = random.Random(41)
-    torch.manual_seed(41)
+    rng = random.Random(seed)
     ratio, budget, dim, heads, eps = 4, 12, 16, 3, 1e-6
     lengths = [37, 22]
     offsets = torch.tensor([0, 3, 5])
@@ -185,13 +184,15 @@ def test_kernel_errors_name_row_and_position(backend):
     fn = (ref_qsa if backend == "reference" else cpu_qsa).qsa_sparse_attention_paged
     out, lse = torch.empty_like(q), torch.empty(2, 4)
     indices = torch.tensor([[0, 1, 2], [3, -1, 5]], dtype=torch.int32)
-    with pytest.raises(ValueError, match="row 1, entry 1"):
+    with pytest.raises(ValueError, match="row 1, entry 1 .* is position -1 of sequence 1: position -1 is negative"):
         fn(out, lse, q, coll.blocks, coll.lookup_table, indices, torch.tensor([3, 2], dtype=torch.int32),
            offsets.int(), 0, 1.0, None)
     table = coll.lookup_table.clone()
     table[1, 1] = -1  # positions 4..7 of sequence 1
     indices = torch.tensor([[0, 1, 2], [3, 6, 5]], dtype=torch.int32)
-    with pytest.raises(ValueError, match="row 1.*sequence 1, position 6"):
+    message = (r"indices: row 1, entry 1 \(inside the counted region, counts\[1\] = 3\) "
+               r"is position 6 of sequence 1: its page \(lookup_table\[1, 1\]\) is the sentinel")
+    with pytest.raises(ValueError, match=message):
         fn(out, lse, q, coll.blocks, table, indices, torch.tensor([3, 3], dtype=torch.int32), offsets.int(), 0,
            1.0, None)
     # the same bad entries past the counts are never read
@@ -222,3 +223,16 @@ def test_public_errors():
     keys_only = make_collection(coll.blocks[:, :1], coll.lookup_table, [5, 8])
     with pytest.raises(ValueError, match="KV == 2"):
         qsa_sparse_attention_paged(q, keys_only, 0, indices, counts, offsets, scale=1.0)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_raising_kernel_leaves_outputs_untouched(backend):
+    coll, q, offsets = _attention_setup()
+    fn = (ref_qsa if backend == "reference" else cpu_qsa).qsa_sparse_attention_paged
+    out, lse = torch.full_like(q, float("nan")), torch.full((2, 4), 7.0)
+    out_before, lse_before = out.clone(), lse.clone()
+    indices = torch.tensor([[0, 1, 2], [3, 4, 99]], dtype=torch.int32)  # row 1's last entry: beyond the table
+    with pytest.raises(ValueError, match="row 1, entry 2 .* position 99 of sequence 1: logical page 24 is beyond"):
+        fn(out, lse, q, coll.blocks, coll.lookup_table, indices, torch.tensor([3, 3], dtype=torch.int32),
+           offsets.int(), 0, 1.0, None)
+    assert torch.equal(out.isnan(), out_before.isnan()) and torch.equal(lse, lse_before), "wrote before raising"

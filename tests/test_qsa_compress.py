@@ -79,8 +79,8 @@ def naive_output(case, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
-def test_reference_matches_per_sequence_naive(dtype):
-    rng = random.Random(1000 + DTYPES.index(dtype))
+def test_reference_matches_per_sequence_naive(dtype, seed):
+    rng = random.Random(seed)
     got, want = [], []
     for _ in range(12):
         case = random_case(rng, dtype)
@@ -292,7 +292,8 @@ def test_errors_rotary():
         _call(blocks, table, gamma, torch.zeros(16, 3))
     with pytest.raises(ValueError, match="<= D = 8"):
         _call(blocks, table, gamma, rope_freqs_cis(16, 10))
-    with pytest.raises(ValueError, match="too short; sequence 1 needs position 4"):
+    message = r"freqs_cis: sequence 1 needs position 4 \(its block 1\) but the table has 4 rows"
+    with pytest.raises(ValueError, match=message):
         _call(blocks, table, gamma, rope_freqs_cis(4, 4), key_counts=(3, 8))
 
 
@@ -324,3 +325,20 @@ def test_errors_arguments():
         _call(blocks, table, gamma, freqs, key_counts=(-1, 8), lengths=(0, 8))
     with pytest.raises(TypeError, match="kv_collection"):
         qsa_compress_keys_paged(gamma, freqs, torch.tensor([8]), blocks, 0, ratio=4, eps=1e-6, max_blocks=2)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_raising_call_leaves_out_untouched(backend, monkeypatch):
+    monkeypatch.setenv("SPARSEKV_BACKEND", backend)
+    blocks, table, gamma, freqs = _error_setup()
+    table = table.clone()
+    table[1, 1] = -7  # a negative page id that is not the sentinel
+    buf = torch.full((4, 8), float("nan"))
+    buf.view(torch.int32)[0, 0] = 12345  # a payload a zero fill would overwrite
+    before = buf.clone()
+    with pytest.raises(ValueError, match=r"sequence 1, position 4: its page \(lookup_table\[1, 1\]\) is -7, outside"):
+        _call(blocks, table, gamma, freqs, out=buf, max_blocks=None)
+    assert torch.equal(buf.view(torch.int32), before.view(torch.int32)), "wrote before raising"
+    with pytest.raises(ValueError, match="freqs_cis: sequence 0 needs position 4"):
+        _call(blocks, table, gamma, rope_freqs_cis(2, 4), out=buf, max_blocks=None)
+    assert torch.equal(buf.view(torch.int32), before.view(torch.int32)), "wrote before raising"

@@ -30,3 +30,14 @@ def test_float32_bound_is_relative_plus_scaled_absolute():
     assert_spec_close(expected * (1 + 5e-6), expected)
     with pytest.raises(AssertionError, match="max error"):
         assert_spec_close(expected + torch.tensor([0.0, 1e-4, 0.0]), expected)
+
+
+def test_spec_close_reports_instead_of_raising():
+    from spec4 import spec_close
+
+    expected = torch.tensor([1.0, -2.0, float("inf")])
+    assert spec_close(expected.clone(), expected)[0]
+    assert spec_close(expected + torch.tensor([0.0, 1e-3, 0.0]), expected)[1].startswith("max error")
+    assert spec_close(torch.tensor([3, 4], dtype=torch.int32), torch.tensor([3, 5], dtype=torch.int32)) == (
+        False, "1 entries differ")
+    assert spec_close(expected[:2], expected) == (False, "shape (2,) != (3,)")

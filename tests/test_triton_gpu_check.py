@@ -45,3 +45,18 @@ def test_without_cuda_exits_cleanly(tmp_path, capsys, monkeypatch):
     assert load_script().main(["--out", str(tmp_path / "unused.json")]) == 0
     assert "no CUDA device" in capsys.readouterr().out
     assert not (tmp_path / "unused.json").exists()
+
+
+def test_check_uses_the_tests_spec4_rule():
+    import spec4
+
+    script = load_script()
+    expected = torch.linspace(-1.0, 1.0, 300).to(torch.bfloat16)
+    two_ulps = expected.clone().view(torch.int16)
+    two_ulps[7] += 2
+    for actual in (expected.clone(), two_ulps.view(torch.bfloat16), torch.full_like(expected, float("nan"))):
+        assert script.spec_check(actual, expected) == spec4.spec_close(actual, expected, scale_atol=1e-5)
+    assert script.spec_check(two_ulps.view(torch.bfloat16), expected) == (False, "2 ulps apart")
+    unwritten = torch.full((4,), float("nan"))  # NaN in both: still an unwritten output
+    assert not script.spec_check(unwritten, unwritten.clone())[0]
+    assert script.check_all([(torch.tensor([1, 2]), torch.tensor([1, 3]))]) == (False, "1 entries differ")

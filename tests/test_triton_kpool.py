@@ -176,5 +176,5 @@ def test_score_missing_page_masked_and_debug_raises(monkeypatch):
     keep = [0, 1, 4, 5, 6, 7]
     assert_spec_close(scores[:, keep], expected[:, keep])
     monkeypatch.setenv("SPARSEKV_DEBUG", "1")
-    with pytest.raises(ValueError, match="sequence 0, position 2"):
+    with pytest.raises(ValueError, match=r"row 0 \(sequence 0\) at position 23 sees pool 2"):
         tri.mla_kpool_score(scores, q, weights, blocks, table, positions, offsets_of([1]), 4, 0)

@@ -9,8 +9,8 @@ Triton backend.
 from .cache.layout import SENTINEL, UINT32_SENTINEL, PagedKVCache, PagedKVCacheCollection
 from .cache.manager import BatchInputs, CacheGroupSpec, PagedKVCacheManager
 from .cache.page_pool import InsufficientPagesError
+from .cache.pooled import make_pooled_collection
 from .numerics import rope_freqs_cis
-from .cache.pooled import kpool_indexer_step, make_pooled_collection, store_pooled_keys
 from .ops.cache import paged_store
 from .ops.kpool import (
     kpool_pool_row_offsets,
@@ -20,6 +20,7 @@ from .ops.kpool import (
     mla_kpool_score,
     mla_kpool_seed_tail,
 )
+from .ops.kpool_step import kpool_indexer_step, store_pooled_keys
 from .ops.qsa import qsa_block_score, qsa_compress_keys_paged, qsa_select_tokens, qsa_sparse_attention_paged
 from .ops.select import SelectedTokens, select_blocks_expand
 

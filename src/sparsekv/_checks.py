@@ -7,10 +7,16 @@ wrong shape or value. Never ``assert``: asserts vanish under ``python -O``.
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
+
+from ._env import host_checks
+
+_INT32_MIN, _INT32_END = -(2**31), 2**31
 
 KEY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64, torch.uint32)
@@ -62,29 +68,70 @@ def check_same_dtype(names: Sequence[str], *tensors: torch.Tensor) -> None:
 
 
 def check_int(name: str, value: object, *, minimum: int | None = None) -> int:
-    """Check that ``value`` is a Python int (bools refused) at least ``minimum``."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    """Check that ``value`` is an integer (Python or numpy; bools and floats refused) at least ``minimum``.
+
+    Returns it as a Python int. ``2.7`` or ``3.0`` is a ``TypeError``, never truncated.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
+    value = int(value)
     if minimum is not None and value < minimum:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+    return value
+
+
+def check_float(name: str, value: object, *, minimum: float | None = None, positive: bool = False) -> float:
+    """Check that ``value`` is a finite real number (bools refused), ``> 0`` when ``positive``,
+    ``>= minimum`` when given. Returns it as a Python float."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected a float, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if not math.isfinite(value) or (positive and value <= 0) or (minimum is not None and value < minimum):
+        want = "a finite float" + (" > 0" if positive else "") + (f" >= {minimum}" if minimum is not None else "")
+        raise ValueError(f"{name}: expected {want}, got {value}")
+    return value
+
+
+def check_instance(name: str, value: object, cls: type) -> object:
+    """Check that ``value`` is a ``cls`` (``TypeError`` naming what it is otherwise). Returns it."""
+    if not isinstance(value, cls):
+        raise TypeError(f"{name}: expected a {cls.__name__}, got {type(value).__name__}")
+    return value
+
+
+def check_bool(name: str, value: object) -> bool:
+    """Check that ``value`` is a bool (``0``/``1`` refused)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected a bool, got {type(value).__name__} {value!r}")
     return value
 
 
 def as_index_tensor(name: str, value: torch.Tensor, *, ndim: int) -> torch.Tensor:
     """Return an int32 copy/view of an integer index tensor (int32, int64 or uint32).
 
-    uint32 values are reinterpreted bit for bit (so the uint32 sentinel
-    ``0xFFFFFFFF`` becomes ``-1``); int64 values outside the int32 range
-    become ``-1`` too, so that they stay invalid instead of wrapping around
-    to a valid page.
+    uint32 ``0xFFFFFFFF`` (the sentinel as a uint32 table spells it) becomes
+    ``-1``. Any other value that int32 cannot hold (int64 outside
+    ``[-2**31, 2**31)``, uint32 at or above ``2**31``) raises ``ValueError``
+    naming the value the caller passed, where values are checked
+    (:func:`host_checks`); on a GPU without checks it becomes ``-1``, so that
+    it stays invalid (masked) instead of wrapping around to a valid page.
     """
     check_tensor(name, value, ndim=ndim, dtypes=INDEX_DTYPES)
     if value.dtype == torch.int32:
         return value
+    wide = value.to(torch.int64)
+    if value.dtype == torch.uint32:
+        out_of_range = (wide >= _INT32_END) & (wide != 0xFFFFFFFF)
+    else:
+        out_of_range = (wide < _INT32_MIN) | (wide >= _INT32_END)
+    if host_checks(value.device) and value.numel() and bool(out_of_range.any()):
+        where = tuple(int(i) for i in torch.nonzero(out_of_range)[0])
+        index = where[0] if len(where) == 1 else list(where)
+        raise ValueError(f"{name}: expected values that fit in int32 [-2**31, 2**31), got {int(wide[where])} "
+                         f"at index {index}")
     if value.dtype == torch.uint32:
         return value.contiguous().view(torch.int32)
-    out_of_range = (value < -(2**31)) | (value >= 2**31)
-    return torch.where(out_of_range, torch.full_like(value, -1), value).to(torch.int32)
+    return torch.where(out_of_range, torch.full_like(wide, -1), wide).to(torch.int32)
 
 
 def host_array(t: torch.Tensor) -> np.ndarray:
@@ -96,19 +143,60 @@ def host_array(t: torch.Tensor) -> np.ndarray:
     return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
 
 
-def check_offsets(name: str, offsets: torch.Tensor, *, batch: int | None = None) -> torch.Tensor:
-    """Check a ``[B+1]`` row-offset vector: integer, starts at 0, non-decreasing.
+def check_offsets(name: str, offsets: torch.Tensor, *, batch: int | None = None, total: int | None = None,
+                  total_of: str = "rows") -> torch.Tensor:
+    """Check a ``[B+1]`` row-offset vector: integer, starts at 0, non-decreasing, ends at ``total``.
 
-    Reads the values (a host sync for device tensors). Returns it as int32.
+    ``batch``: the expected ``B``; ``total``: the expected last offset, with
+    ``total_of`` naming what it counts (``"q rows"``). Shape and dtype are
+    always checked; the values only where :func:`host_checks` says (a host
+    read, a sync for device tensors). Returns the offsets as int32.
     """
     offsets = as_index_tensor(name, offsets, ndim=1)
     if batch is not None and offsets.shape[0] != batch + 1:
         raise ValueError(f"{name}: expected shape ({batch + 1},) = batch + 1, got {tuple(offsets.shape)}")
     if offsets.shape[0] < 1:
         raise ValueError(f"{name}: expected at least one entry, got an empty tensor")
+    if not host_checks(offsets.device):
+        return offsets
     values = host_array(offsets)
     if int(values[0]) != 0:
         raise ValueError(f"{name}: expected offsets[0] == 0, got {int(values[0])}")
     if offsets.shape[0] > 1 and bool((values[1:] < values[:-1]).any()):
         raise ValueError(f"{name}: expected non-decreasing offsets, got {offsets.tolist()}")
+    if total is not None and int(values[-1]) != total:
+        raise ValueError(f"{name}: expected the last offset to equal the {total} {total_of}, got {int(values[-1])}")
     return offsets
+
+
+def check_nonnegative(name: str, lengths: torch.Tensor, *, batch: int | None = None) -> torch.Tensor:
+    """Check a ``[B]`` vector of counts or positions (cache lengths, key counts, query positions): integer, ``>= 0``.
+
+    Values are read where :func:`host_checks` says. Returns it as int32.
+    """
+    lengths = as_index_tensor(name, lengths, ndim=1)
+    if batch is not None and lengths.shape[0] != batch:
+        raise ValueError(f"{name}: expected shape ({batch},) = batch, got {tuple(lengths.shape)}")
+    if host_checks(lengths.device) and lengths.numel():
+        values = host_array(lengths)
+        if int(values.min()) < 0:
+            bad = int(np.argmax(values < 0))
+            raise ValueError(f"{name}: expected values >= 0, got {int(values[bad])} at index {bad}")
+    return lengths
+
+
+def check_freqs_cis_rows(table_rows: int, num_blocks: torch.Tensor | np.ndarray, ratio: int) -> None:
+    """Raise ``ValueError`` unless a ``freqs_cis`` table of ``table_rows`` rows holds every block start.
+
+    ``num_blocks [B]``: blocks pooled per sequence; block ``j`` of a sequence
+    is rotated at position ``j * ratio``, so the last one needs row
+    ``(num_blocks[b] - 1) * ratio``. Reads the values (a host read).
+    """
+    counts = host_array(num_blocks) if isinstance(num_blocks, torch.Tensor) else np.asarray(num_blocks)
+    if counts.size == 0:
+        return
+    b = int(np.argmax(counts))
+    needed = (int(counts[b]) - 1) * ratio
+    if needed >= table_rows:
+        raise ValueError(f"freqs_cis: sequence {b} needs position {needed} (its block {int(counts[b]) - 1}) "
+                         f"but the table has {table_rows} rows")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_int
+from ._checks import check_float, check_int
 
 
 def rope_freqs_cis(num_positions: int, rotary_dim: int, theta: float = 1e7, *,
@@ -25,6 +25,7 @@ def rope_freqs_cis(num_positions: int, rotary_dim: int, theta: float = 1e7, *,
     check_int("rotary_dim", rotary_dim, minimum=2)
     if rotary_dim % 2:
         raise ValueError(f"rotary_dim: expected an even number, got {rotary_dim}")
+    theta = check_float("theta", theta, positive=True)
     half = rotary_dim // 2
     inv_freq = float(theta) ** (-torch.arange(half, dtype=torch.float64) * 2 / rotary_dim)
     angles = torch.arange(num_positions, dtype=torch.float64)[:, None] * inv_freq[None, :]

@@ -37,8 +37,10 @@ class CacheGroupSpec:
     tokens_per_entry: int = 1
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise ValueError(f"CacheGroupSpec.name: expected a non-empty str, got {self.name!r}")
+        if not isinstance(self.name, str):
+            raise TypeError(f"CacheGroupSpec.name: expected a str, got {type(self.name).__name__} {self.name!r}")
+        if not self.name:
+            raise ValueError("CacheGroupSpec.name: expected a non-empty str, got ''")
         check_int("CacheGroupSpec.kv_planes", self.kv_planes)
         if self.kv_planes not in (1, 2):
             raise ValueError(f"CacheGroupSpec.kv_planes: expected 1 or 2, got {self.kv_planes}")

@@ -27,9 +27,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
-from .._checks import KEY_DTYPES, as_index_tensor, check_int, check_tensor
+from .._checks import (KEY_DTYPES, as_index_tensor, check_int, check_nonnegative, check_offsets, check_tensor,
+                       host_array)
+from .._env import host_checks
 
 #: Sentinel for an unassigned page in an int32 lookup table.
 SENTINEL = -1
@@ -51,6 +54,63 @@ def ragged_rows(input_row_offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return seq_ids, local
 
 
+def page_problem(lookup_table: torch.Tensor, num_pages: int, page_size: int, b: int, t: int) -> str | None:
+    """Why position ``t`` of sequence ``b`` has no valid page, in the words every page error uses;
+    ``None`` when it has one. ``lookup_table``: ``[B, max_pages]`` int32 (sentinel ``-1``)."""
+    if t < 0:
+        return f"position {t} is negative"
+    logical = t // page_size
+    if logical >= lookup_table.shape[1]:
+        return f"logical page {logical} is beyond the lookup table's {lookup_table.shape[1]} columns"
+    page = int(lookup_table[b, logical])
+    if page == SENTINEL:
+        return f"its page (lookup_table[{b}, {logical}]) is the sentinel (unassigned)"
+    if not 0 <= page < num_pages:
+        return f"its page (lookup_table[{b}, {logical}]) is {page}, outside [0, {num_pages})"
+    return None
+
+
+def page_error(lookup_table: torch.Tensor, num_pages: int, page_size: int, b: int, t: int) -> ValueError:
+    """The ``ValueError`` for a missing page: ``paged cache: sequence b, position t: <page_problem>``."""
+    return ValueError(f"paged cache: sequence {b}, position {t}: "
+                      f"{page_problem(lookup_table, num_pages, page_size, b, t)}")
+
+
+def first_missing_page(lookup_table: torch.Tensor, num_pages: int, page_size: int,
+                       token_counts: torch.Tensor) -> tuple[int, int] | None:
+    """``(sequence, first position of the page)`` of the first page that tokens ``0 .. token_counts[b]-1``
+    of some sequence need and the table does not validly hold, or ``None``.
+
+    Memory and time in proportion to the lookup table, whatever the counts
+    (a count past the table's end is found without expanding it).
+    """
+    counts = token_counts.to(torch.int64).cpu().clamp_min(0)
+    table = lookup_table.cpu()
+    columns = table.shape[1]
+    pages_needed = (counts + page_size - 1) // page_size
+    needed = torch.arange(columns)[None, :] < pages_needed[:, None]  # [B, columns]
+    bad = needed & ((table < 0) | (table >= num_pages))
+    first_bad = torch.where(bad.any(dim=1), bad.to(torch.int8).argmax(dim=1), torch.where(
+        pages_needed > columns, columns, -1))
+    seqs = torch.nonzero(first_bad >= 0).flatten()
+    if seqs.numel() == 0:
+        return None
+    b = int(seqs[0])
+    return b, int(first_bad[b]) * page_size
+
+
+def check_needed_pages(lookup_table: torch.Tensor, num_pages: int, page_size: int,
+                       token_counts: torch.Tensor) -> None:
+    """Raise :func:`page_error` unless tokens ``0 .. token_counts[b]-1`` of every sequence have a valid page.
+
+    Bounded like :func:`first_missing_page`; names the sequence and the first
+    position of the first missing page.
+    """
+    missing = first_missing_page(lookup_table, num_pages, page_size, token_counts)
+    if missing is not None:
+        raise page_error(lookup_table, num_pages, page_size, *missing)
+
+
 def resolve_pages(
     lookup_table: torch.Tensor,
     num_pages: int,
@@ -64,9 +124,9 @@ def resolve_pages(
         lookup_table: ``[B, max_pages]`` int32 (sentinel ``-1``).
         seq_ids, positions: int tensors of the same shape.
 
-    Returns int64 ``pages`` and ``rows`` of that shape. Raises ``ValueError``
-    naming the first (sequence, position) whose page is negative, beyond the
-    table, a sentinel or outside ``[0, num_pages)``.
+    Returns int64 ``pages`` and ``rows`` of that shape. Raises
+    :func:`page_error` for the first (sequence, position) whose page is
+    negative, beyond the table, a sentinel or outside ``[0, num_pages)``.
     """
     seq_ids = seq_ids.to(torch.int64)
     positions = positions.to(torch.int64)
@@ -78,21 +138,39 @@ def resolve_pages(
     valid = in_table & (pages >= 0) & (pages < num_pages)
     if not bool(valid.all()):
         bad = int(torch.nonzero(~valid.reshape(-1))[0])
-        b = int(seq_ids.reshape(-1)[bad])
-        t = int(positions.reshape(-1)[bad])
-        if t < 0:
-            why = "a negative position"
-        elif t // page_size >= max_pages:
-            why = f"logical page {t // page_size} is beyond the lookup table's {max_pages} columns"
-        else:
-            page = int(lookup_table[b, t // page_size])
-            why = (
-                "its page is unassigned (sentinel)"
-                if page == SENTINEL
-                else f"its page {page} is outside [0, {num_pages})"
-            )
-        raise ValueError(f"paged cache: sequence {b}, position {t}: {why}")
+        raise page_error(lookup_table, num_pages, page_size, int(seq_ids.reshape(-1)[bad]),
+                         int(positions.reshape(-1)[bad]))
     return pages, positions % page_size
+
+
+def store_rows(
+    blocks: torch.Tensor,
+    values: torch.Tensor,
+    lookup_table: torch.Tensor,
+    cache_lengths: torch.Tensor,
+    input_row_offsets: torch.Tensor,
+    plane: int,
+    layer: int,
+) -> None:
+    """Write ``values [T, H, D]``: row ``i`` of sequence ``b`` to position ``cache_lengths[b] + i``.
+
+    The raw-tensor store under :meth:`PagedKVCache.store` and the reference
+    ``paged_store`` kernel. Arguments as that kernel takes them: ``blocks``
+    ``[num_pages, KV, num_layers, page_size, H, D]``, ``lookup_table`` ``[B, max_pages]``
+    int32, ``cache_lengths`` ``[B]`` int, ``input_row_offsets`` ``[B+1]`` int
+    (already checked: non-decreasing from 0, last entry ``T``), ``plane`` and
+    ``layer`` in range. Every destination page is resolved by
+    :func:`resolve_pages` before the first write, so a missing page raises
+    ``ValueError`` and nothing is written.
+
+    Example: cache lengths ``[5, 0]``, offsets ``[0, 2, 3]``, page size 4 write
+    sequence 0's positions 5, 6 (rows 1, 2 of its logical page 1) and sequence
+    1's position 0.
+    """
+    seq_ids, local = ragged_rows(input_row_offsets)
+    positions = cache_lengths.to(torch.int64)[seq_ids] + local
+    pages, rows = resolve_pages(lookup_table, blocks.shape[0], blocks.shape[3], seq_ids, positions)
+    blocks[pages, plane, layer, rows] = values
 
 
 class PagedKVCacheCollection:
@@ -103,7 +181,8 @@ class PagedKVCacheCollection:
             bf16/fp16/fp32, ``KV`` in {1, 2}; dims after the first contiguous.
         cache_lengths: ``[B]`` int32/uint32/int64, tokens cached *before* this call.
         lookup_table: ``[B, max_pages]`` int32/uint32/int64 page ids, sentinel for none.
-        max_seq_length: largest number of new tokens of one sequence in this call.
+        max_seq_length: largest number of new tokens of one sequence in this call (an int):
+            storing more rows than that for one sequence is an error.
         max_cache_length: largest ``cache_lengths`` entry.
         page_stride: elements between consecutive pages, ``-1`` for packed.
             Must equal ``blocks.stride(0)`` (a padded stride is expressed by
@@ -160,25 +239,19 @@ class PagedKVCacheCollection:
             )
         self.blocks = blocks
         self.page_stride = actual_stride
-        self.cache_lengths = as_index_tensor("cache_lengths", cache_lengths, ndim=1).to(blocks.device)
+        self.cache_lengths = check_nonnegative(
+            "cache_lengths", as_index_tensor("cache_lengths", cache_lengths, ndim=1).to(blocks.device))
         self.lookup_table = as_index_tensor("lookup_table", lookup_table, ndim=2).to(blocks.device)
-        batch = self.cache_lengths.shape[0]
-        if self.lookup_table.shape[0] != batch:
-            raise ValueError(
-                f"lookup_table: expected {batch} rows (batch size from cache_lengths), "
-                f"got {self.lookup_table.shape[0]}"
-            )
-        self.max_seq_length = check_int("max_seq_length", int(max_seq_length), minimum=0)
-        self.max_cache_length = check_int("max_cache_length", int(max_cache_length), minimum=0)
-        if self.cache_lengths.device.type == "cpu" and batch > 0:
-            lengths = self.cache_lengths
-            if bool((lengths < 0).any()):
-                raise ValueError(f"cache_lengths: expected values >= 0 (< 2**31), got {lengths.tolist()}")
-            if int(lengths.max()) > self.max_cache_length:
-                raise ValueError(
-                    f"max_cache_length: expected >= max(cache_lengths) = {int(lengths.max())}, "
-                    f"got {self.max_cache_length}"
-                )
+        if self.lookup_table.shape[0] != self.batch_size:
+            raise ValueError(f"lookup_table: expected {self.batch_size} rows (batch size from cache_lengths), "
+                             f"got {self.lookup_table.shape[0]}")
+        self.max_seq_length = check_int("max_seq_length", max_seq_length, minimum=0)
+        self.max_cache_length = check_int("max_cache_length", max_cache_length, minimum=0)
+        if host_checks(blocks.device) and self.batch_size > 0:
+            longest = int(host_array(self.cache_lengths).max())
+            if longest > self.max_cache_length:
+                raise ValueError(f"max_cache_length: expected >= max(cache_lengths) = {longest}, "
+                                 f"got {self.max_cache_length}")
 
     # ---- shape facts -----------------------------------------------------
     @property
@@ -238,6 +311,38 @@ class PagedKVCacheCollection:
             raise ValueError("get_value_cache: this collection has KV == 1 (keys only); it holds no values")
         return PagedKVCache(self, self._check_layer(layer_idx), plane=1)
 
+    def check_store(self, values: torch.Tensor, input_row_offsets: torch.Tensor, *, layer_idx: int, plane: int,
+                    check_values: bool) -> torch.Tensor:
+        """Check the arguments of a store into ``plane`` of layer ``layer_idx``; returns the offsets as int32.
+
+        Args:
+            values: ``[T, num_heads, head_size]`` in the cache's dtype, on its device.
+            input_row_offsets: ``[B+1]`` int32/int64, ``T == input_row_offsets[-1]``.
+            layer_idx, plane: which layer, 0 for keys and 1 for values.
+            check_values: also check the offsets' values (non-decreasing from 0,
+                last one ``T``, no sequence longer than ``max_seq_length``); this
+                reads them on the host.
+        """
+        check_int("plane", plane, minimum=0)
+        if plane >= self.kv_planes:
+            raise ValueError(f"plane: expected < KV = {self.kv_planes}, got {plane}")
+        self._check_layer(layer_idx)
+        check_tensor("values", values, shape=(None, self.num_heads, self.head_size), dtypes=(self.dtype,),
+                     device=self.device)
+        check_tensor("input_row_offsets", input_row_offsets, shape=(self.batch_size + 1,))
+        offsets = input_row_offsets.to(self.device)
+        if not check_values:
+            return offsets.to(torch.int32)
+        offsets = check_offsets("input_row_offsets", offsets, batch=self.batch_size, total=values.shape[0],
+                                total_of="rows of values")
+        if self.batch_size:
+            rows = np.diff(host_array(offsets))
+            if int(rows.max()) > self.max_seq_length:
+                b = int(rows.argmax())
+                raise ValueError(f"input_row_offsets: sequence {b} stores {int(rows[b])} rows, more than the "
+                                 f"collection's max_seq_length = {self.max_seq_length}")
+        return offsets
+
     def cache_length(self, batch_idx: int) -> int:
         """Tokens cached for sequence ``batch_idx`` before this call."""
         check_int("batch_idx", batch_idx, minimum=0)
@@ -292,12 +397,16 @@ class PagedKVCache:
             values: ``[T, num_heads, head_size]`` in the cache's dtype, ``T = input_row_offsets[-1]``.
             input_row_offsets: ``[B+1]`` int, non-decreasing, starting at 0.
 
-        Validates every destination page first; on a sentinel or out-of-range
-        page it raises ``ValueError`` and writes nothing.
+        Validates the arguments and every destination page first (reading them
+        on the host, also for GPU tensors); on a sentinel or out-of-range page
+        it raises ``ValueError`` and writes nothing. The op
+        ``sparsekv.paged_store`` does the same through the chosen backend (on a
+        GPU without host syncs, and under ``torch.compile``).
         """
-        from ..ops.cache import paged_store
-
-        paged_store(self.collection, values, input_row_offsets, layer_idx=self.layer_idx, plane=self.plane)
+        c = self.collection
+        offsets = c.check_store(values, input_row_offsets, layer_idx=self.layer_idx, plane=self.plane,
+                                check_values=True)
+        store_rows(c.blocks, values, c.lookup_table, c.cache_lengths, offsets, self.plane, self.layer_idx)
 
     def load(self, batch_idx: int, positions: torch.Tensor) -> torch.Tensor:
         """Read tokens ``positions`` (``[n]`` int) of sequence ``batch_idx``: ``[n, num_heads, head_size]``."""

@@ -76,7 +76,8 @@ def _token_array(name: str, token_ids: object) -> array:
     except TypeError:
         raise TypeError(f"{name}: expected integer token ids, got {token_ids!r:.80}") from None
     except OverflowError:
-        raise ValueError(f"{name}: expected token ids in [0, 2**63)") from None
+        too_large = next(t for t in token_ids if not -(2**63) <= t < 2**63)
+        raise ValueError(f"{name}: expected token ids in [0, 2**63), got {too_large}") from None
     if tokens and min(tokens) < 0:
         raise ValueError(f"{name}: expected token ids >= 0, got {min(tokens)}")
     return tokens
@@ -336,11 +337,15 @@ class PagedKVCacheManager:
             new = np.full(batch, num_new_tokens, dtype=np.int64)
         else:
             new = np.asarray(num_new_tokens)
-            if new.shape != (batch,) or new.dtype.kind not in "iu":
-                raise ValueError(f"num_new_tokens: expected an int or {batch} ints, got {num_new_tokens!r:.80}")
+            if new.dtype.kind not in "iu":
+                raise TypeError(f"num_new_tokens: expected an int or {batch} ints, got {num_new_tokens!r:.80}")
+            if new.shape != (batch,):
+                raise ValueError(f"num_new_tokens: expected an int or {batch} ints (one per request), "
+                                 f"got shape {new.shape}")
             new = new.astype(np.int64)
         if batch and int(new.min()) < 0:
-            raise ValueError(f"num_new_tokens: expected values >= 0, got {new.tolist()}")
+            b = int(np.argmax(new < 0))
+            raise ValueError(f"num_new_tokens: expected values >= 0, got {int(new[b])} for request {request_ids[b]!r}")
         cache = np.fromiter((r.cache_length for r in requests), dtype=np.int64, count=batch)
         page_counts = np.fromiter((len(r.pages) for r in requests), dtype=np.int64, count=batch)
         short = np.nonzero(cache + new > page_counts * self.page_size)[0]

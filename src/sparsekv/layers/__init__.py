@@ -8,6 +8,7 @@
   :func:`load_module_weights` / :func:`load_slice_weights` (safetensors by weight name).
 """
 
+from ._common import batch_positions
 from .checkpoint import (
     CheckpointReader,
     load_module_weights,
@@ -26,7 +27,6 @@ from .qsa import (
     Qwen4ExpSlice,
     RotaryTable,
     ZeroCentredRMSNorm,
-    batch_positions,
     dense_causal_attention,
 )
 

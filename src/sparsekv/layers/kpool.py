@@ -38,10 +38,10 @@ import torch
 from torch import nn
 
 from ..cache.layout import PagedKVCacheCollection
-from ..cache.pooled import kpool_indexer_step
 from ..ops.kpool import mla_kpool_expand_topk, mla_kpool_score
+from ..ops.kpool_step import kpool_indexer_step
+from ._common import StageTimerLike, batch_positions, frozen_linear, no_timer
 from .config import Glm5NextConfig
-from .qsa import StageTimerLike, _linear, batch_positions, no_timer
 
 
 class RMSNorm(nn.Module):
@@ -94,12 +94,12 @@ class KPoolIndexer(nn.Module):
         self.topk = config.index_topk
         self.mode = config.index_kpool_mode
         hidden = config.hidden_size
-        self.wq_b = _linear(config.q_lora_rank, self.n_heads * self.head_dim, False, dtype, device)
-        self.wk = _linear(hidden, self.head_dim, False, dtype, device)
+        self.wq_b = frozen_linear(config.q_lora_rank, self.n_heads * self.head_dim, False, dtype, device)
+        self.wk = frozen_linear(hidden, self.head_dim, False, dtype, device)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=config.index_norm_eps, dtype=dtype, device=device)
         self.k_norm.requires_grad_(False)
-        self.weights_proj = _linear(hidden, self.n_heads, False, dtype, device)
-        self.gate_proj = _linear(hidden, self.head_dim, False, dtype, device)
+        self.weights_proj = frozen_linear(hidden, self.n_heads, False, dtype, device)
+        self.gate_proj = frozen_linear(hidden, self.head_dim, False, dtype, device)
         self.ape = nn.Parameter(torch.zeros(self.kpool, self.head_dim, dtype=torch.float32, device=device),
                                 requires_grad=False)
         self.head_weight_scale = self.n_heads ** -0.5 * self.head_dim ** -0.5
@@ -150,7 +150,7 @@ class KPoolIndexerLayer(nn.Module):
     def __init__(self, config: Glm5NextConfig, *, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None) -> None:
         super().__init__()
-        self.q_a_proj = _linear(config.hidden_size, config.q_lora_rank, False, dtype, device)
+        self.q_a_proj = frozen_linear(config.hidden_size, config.q_lora_rank, False, dtype, device)
         self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps, dtype=dtype, device=device)
         self.indexer = KPoolIndexer(config, dtype=dtype, device=device)
 

@@ -33,34 +33,18 @@ compress every complete block -> score -> select -> sparse attention -> o_proj.
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from ..cache.layout import PagedKVCacheCollection, ragged_rows
+from ..cache.layout import PagedKVCacheCollection
 from ..numerics import apply_rope_neox, rms_norm_zero_centred, rope_freqs_cis
+from ..ops.cache import paged_store
 from ..ops.qsa import qsa_block_score, qsa_compress_keys_paged, qsa_select_tokens, qsa_sparse_attention_paged
+from ._common import StageTimerLike, batch_positions, frozen_linear, no_timer
 from .config import Qwen4ExpConfig
-
-#: ``timer(stage_name)`` returns a context manager timing that stage (see the demo's ``StageTimer``).
-StageTimerLike = Callable[[str], contextlib.AbstractContextManager]
-
-
-def no_timer(_stage: str) -> contextlib.AbstractContextManager:
-    return contextlib.nullcontext()
-
-
-def batch_positions(input_row_offsets: torch.Tensor, cache_lengths: torch.Tensor) -> torch.Tensor:
-    """Position ``t`` of every row of a ragged batch: ``cache_lengths[b] + i``, int32 ``[T]``.
-
-    Example: offsets ``[0, 2, 3]``, cache lengths ``[5, 0]`` give ``[5, 6, 0]``.
-    """
-    seq_ids, local = ragged_rows(input_row_offsets)
-    return (cache_lengths.to(torch.int64)[seq_ids] + local).to(torch.int32)
 
 
 class RotaryTable:
@@ -105,12 +89,6 @@ class ZeroCentredRMSNorm(nn.Module):
         return rms_norm_zero_centred(x, self.weight, self.eps)
 
 
-def _linear(inputs: int, outputs: int, bias: bool, dtype: torch.dtype | None, device) -> nn.Linear:
-    layer = nn.Linear(inputs, outputs, bias=bias, dtype=dtype, device=device)
-    layer.requires_grad_(False)
-    return layer
-
-
 class QSAIndexer(nn.Module):
     """The weight-light indexer of a QSA layer: picks, per query, the blocks the attention reads.
 
@@ -128,7 +106,8 @@ class QSAIndexer(nn.Module):
         self.budget = config.indexer_budget
         self.eps = config.rms_norm_eps
         self.rotary_dim = config.rotary_dim
-        self.index_qk_proj = _linear(config.hidden_size, (self.n_heads + 1) * self.head_dim, False, dtype, device)
+        self.index_qk_proj = frozen_linear(config.hidden_size, (self.n_heads + 1) * self.head_dim, False, dtype,
+                                           device)
         self.q_layernorm = ZeroCentredRMSNorm(self.head_dim, self.eps, dtype=dtype, device=device)
         self.k_layernorm = ZeroCentredRMSNorm(self.head_dim, self.eps, dtype=dtype, device=device)
 
@@ -213,10 +192,10 @@ class QSAAttention(nn.Module):
         self.rotary_dim = config.rotary_dim
         self.scale = config.head_dim ** -0.5
         hidden, bias = config.hidden_size, config.attention_bias
-        self.q_proj = _linear(hidden, self.num_heads * 2 * self.head_dim, bias, dtype, device)
-        self.k_proj = _linear(hidden, self.num_kv_heads * self.head_dim, bias, dtype, device)
-        self.v_proj = _linear(hidden, self.num_kv_heads * self.head_dim, bias, dtype, device)
-        self.o_proj = _linear(self.num_heads * self.head_dim, hidden, bias, dtype, device)
+        self.q_proj = frozen_linear(hidden, self.num_heads * 2 * self.head_dim, bias, dtype, device)
+        self.k_proj = frozen_linear(hidden, self.num_kv_heads * self.head_dim, bias, dtype, device)
+        self.v_proj = frozen_linear(hidden, self.num_kv_heads * self.head_dim, bias, dtype, device)
+        self.o_proj = frozen_linear(self.num_heads * self.head_dim, hidden, bias, dtype, device)
         self.q_norm = ZeroCentredRMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype, device=device)
         self.k_norm = ZeroCentredRMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype, device=device)
         self.indexer = QSAIndexer(config, dtype=dtype, device=device)
@@ -246,9 +225,9 @@ class QSAAttention(nn.Module):
             query = _rope_in_place(self.q_norm(query), freqs, self.rotary_dim)
             key = _rope_in_place(self.k_norm(key), freqs, self.rotary_dim)
         with timer("cache.store"):
-            index_cache.get_key_cache(cache_layer).store(raw_keys, input_row_offsets)
-            kv_cache.get_key_cache(cache_layer).store(key, input_row_offsets)
-            kv_cache.get_value_cache(cache_layer).store(value.contiguous(), input_row_offsets)
+            paged_store(index_cache, raw_keys, input_row_offsets, layer_idx=cache_layer, plane=0)
+            paged_store(kv_cache, key, input_row_offsets, layer_idx=cache_layer, plane=0)
+            paged_store(kv_cache, value.contiguous(), input_row_offsets, layer_idx=cache_layer, plane=1)
         if mode == "sparse":
             indices, counts = self.indexer.select(index_q, index_cache, cache_layer, positions,
                                                   input_row_offsets, freqs_cis, timer)
@@ -362,4 +341,4 @@ class Qwen4ExpSlice(nn.Module):
 
 
 __all__ = ["QSAAttention", "QSAIndexer", "QSAResult", "Qwen4ExpSlice", "RotaryTable", "ZeroCentredRMSNorm",
-           "batch_positions", "dense_causal_attention", "no_timer"]
+           "dense_causal_attention"]

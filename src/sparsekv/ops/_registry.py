@@ -5,7 +5,11 @@ names: ``sparsekv.kernels.reference.F`` (readable PyTorch, the oracle),
 ``sparsekv.kernels.cpu.F`` (fast CPU path) and ``sparsekv.kernels.triton.F``
 (GPU kernels; on CPU tensors only through Triton's interpreter).
 
-``SPARSEKV_BACKEND`` overrides the automatic choice:
+A backend module may leave out an op (or a whole family): the registry then
+runs the reference implementation for it (:func:`load_kernel`), so no backend
+carries stubs that re-export the reference.
+
+``SPARSEKV_BACKEND`` (read in :mod:`sparsekv._env`) overrides the automatic choice:
 
 * ``auto`` (default): ``cpu`` for CPU tensors, ``triton`` for CUDA tensors
   (``reference`` when Triton is missing);
@@ -29,9 +33,10 @@ from collections.abc import Callable
 
 import torch
 
-BACKEND_ENV = "SPARSEKV_BACKEND"
-DEBUG_ENV = "SPARSEKV_DEBUG"
-BACKENDS = ("reference", "cpu", "triton")
+from .._env import BACKEND_ENV, BACKENDS, debug_checks, requested_backend
+
+__all__ = ["BACKENDS", "BACKEND_ENV", "choose_backend", "debug_checks", "kernel", "load_kernel", "out_op",
+           "triton_status"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -44,16 +49,9 @@ def triton_status() -> tuple[bool, str]:
     return True, "ok"
 
 
-def debug_checks() -> bool:
-    """True when ``SPARSEKV_DEBUG`` asks device ops for host-side validation."""
-    return os.environ.get(DEBUG_ENV, "0") not in ("", "0", "false", "False")
-
-
 def choose_backend(device: torch.device) -> str:
     """The backend an op on ``device`` runs with, honouring ``SPARSEKV_BACKEND``."""
-    forced = os.environ.get(BACKEND_ENV, "auto")
-    if forced not in BACKENDS + ("auto",):
-        raise ValueError(f"{BACKEND_ENV}: expected one of auto, {', '.join(BACKENDS)}; got {forced!r}")
+    forced = requested_backend()
     if forced != "auto":
         if forced == "triton":
             ok, why = triton_status()
@@ -92,7 +90,8 @@ def out_op(name: str, mutates_args: tuple[str, ...]) -> Callable[[Callable], Cal
     the dispatcher (``torch.ops.sparsekv.<name>``) whenever torch traces or a
     tensor needs it (:func:`_dispatch_needed`): the custom op's Python layers
     cost ~70 us a call, a third of a decode-sized score kernel. Both paths run
-    the same ``body``; the op object is ``entry.custom_op``.
+    the same ``body``; the op object is ``entry.custom_op``, its name (the
+    kernel's name in every backend) ``entry.op_name``.
     """
 
     def register(body: Callable) -> Callable:
@@ -106,6 +105,7 @@ def out_op(name: str, mutates_args: tuple[str, ...]) -> Callable[[Callable], Cal
             return body(*args)
 
         entry.custom_op = op
+        entry.op_name = name
         return entry
 
     return register
@@ -113,10 +113,31 @@ def out_op(name: str, mutates_args: tuple[str, ...]) -> Callable[[Callable], Cal
 
 def kernel(family: str, name: str, device: torch.device) -> Callable:
     """The implementation of ``family.name`` for tensors on ``device``."""
-    return _load(choose_backend(device), family, name)
+    return load_kernel(choose_backend(device), family, name)
 
 
 @functools.lru_cache(maxsize=None)
-def _load(backend: str, family: str, name: str) -> Callable:
-    module = importlib.import_module(f"sparsekv.kernels.{backend}.{family}")
-    return getattr(module, name)
+def load_kernel(backend: str, family: str, name: str) -> Callable:
+    """``name`` from ``sparsekv.kernels.<backend>.<family>``, or the reference's when that backend lacks it.
+
+    A backend lacks an op when its family module does not exist or does not
+    define the name. Any other import failure (a broken module, a missing
+    dependency of it) propagates. Example: ``load_kernel("cpu", "cache",
+    "paged_store")`` is the reference ``paged_store`` (a store is a scatter
+    of whole rows, already memory-bound in vectorised torch).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
+    module_name = f"sparsekv.kernels.{backend}.{family}"
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name != module_name or backend == "reference":
+            raise
+        module = None
+    found = getattr(module, name, None) if module is not None else None
+    if found is not None:
+        return found
+    if backend == "reference":
+        raise LookupError(f"{module_name} defines no {name!r}: every op needs a reference implementation")
+    return load_kernel("reference", family, name)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_int, check_offsets, check_tensor
+from .._env import host_checks
 from ..cache.layout import PagedKVCacheCollection
-from ._registry import debug_checks, kernel, out_op
+from ._registry import kernel, out_op
 
 
 @out_op("paged_store", mutates_args=("blocks",))
@@ -42,23 +42,18 @@ def paged_store(
         input_row_offsets: ``[B+1]`` int32/int64, ``T == input_row_offsets[-1]``.
         layer_idx, plane: which layer, 0 for keys and 1 for values.
 
+    Raises ``ValueError`` when one sequence has more rows than the
+    collection's ``max_seq_length`` (the largest number of new tokens of one
+    sequence in this call, which sizes launches and the tables read after
+    the store), or on a missing page, before writing anything.
+
     Example: cache lengths ``[5, 0]``, offsets ``[0, 2, 3]`` write sequence 0
     positions 5 and 6 and sequence 1 position 0.
+
+    The storage-level :meth:`~sparsekv.cache.layout.PagedKVCache.store` writes
+    the same rows without a backend (always validating on the host).
     """
     c = collection
-    check_int("plane", plane, minimum=0)
-    if plane >= c.kv_planes:
-        raise ValueError(f"plane: expected < KV = {c.kv_planes}, got {plane}")
-    c._check_layer(layer_idx)
-    check_tensor("values", values, shape=(None, c.num_heads, c.head_size), dtypes=(c.dtype,), device=c.device)
-    check_tensor("input_row_offsets", input_row_offsets, shape=(c.batch_size + 1,))
-    offsets = input_row_offsets.to(c.device)
-    if c.device.type == "cpu" or debug_checks():
-        offsets = check_offsets("input_row_offsets", offsets, batch=c.batch_size)
-        if int(offsets[-1]) != values.shape[0]:
-            raise ValueError(
-                f"input_row_offsets: last offset {int(offsets[-1])} must equal values rows {values.shape[0]}"
-            )
-    else:
-        offsets = offsets.to(torch.int32)
+    offsets = c.check_store(values, input_row_offsets, layer_idx=layer_idx, plane=plane,
+                            check_values=host_checks(c.device))
     _paged_store_op(c.blocks, values, c.lookup_table, c.cache_lengths, offsets, plane, layer_idx)

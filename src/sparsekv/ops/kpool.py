@@ -7,20 +7,22 @@ One layer step of the GLM-5-Next indexer, for a ragged batch whose sequence
     pool_offsets = kpool_pool_row_offsets(offsets, cache_lengths, kpool=4)
     pooled = mla_kpool_compress(k, gate, ape, offsets, pool_offsets, cache_lengths, kpool=4)
     mla_kpool_seed_tail(ring, slot_ids, k, gate, offsets, cache_lengths, kpool=4)
-    # store closed + pooled into the pooled-key cache (sparsekv.cache.pooled), then:
+    # store closed + pooled into the pooled-key cache (sparsekv.ops.kpool_step.store_pooled_keys), then:
     scores = mla_kpool_score(q, head_weights, pooled_cache, layer, query_positions, offsets, kpool=4)
     indices, counts = mla_kpool_expand_topk(scores, query_positions, kpool=4, topk=2048)
 
-``sparsekv.cache.pooled.kpool_indexer_step`` runs the first four and the store
+``sparsekv.ops.kpool_step.kpool_indexer_step`` runs the first four and the store
 in one call. Every op here is a torch custom op ``sparsekv::<name>`` (out-style,
 fake impl returns ``None``) behind a Python function that validates its
 arguments: bad input raises ``ValueError`` (``TypeError`` for a non-tensor, a
-non-int or an unsupported dtype) naming the argument.
+non-int or a wrong dtype) naming the argument.
 
 Choices where SPEC 3 is silent:
 
 * a dtype mismatch between ``k`` and ``gate`` (or ``ape`` not float32) is a
-  ``ValueError``, like every other SPEC 3.1 error;
+  ``TypeError``, as a wrong dtype is everywhere else;
+* ``cache_lengths`` must be ``>= 0`` in every op that takes them
+  (:func:`kpool_pool_row_offsets` included);
 * ``closed`` rows of sequences that close no pool are zeros;
 * ``mla_kpool_score`` sizes its output to the largest visible pool count of
   the batch when ``out_cols`` is ``None``; a smaller ``out_cols`` is an error
@@ -35,10 +37,12 @@ from typing import NamedTuple
 
 import torch
 
-from .._checks import KEY_DTYPES, as_index_tensor, check_int, check_offsets, check_tensor, host_array
+from .._checks import (KEY_DTYPES, as_index_tensor, check_bool, check_instance, check_int, check_nonnegative,
+                       check_offsets, check_tensor, host_array)
+from .._env import host_checks
 from ..cache.layout import PagedKVCacheCollection
-from ..kernels.reference.kpool import MODES
-from ._registry import debug_checks, kernel, out_op
+from ..kernels.reference.kpool import MODES, check_score_pages, pool_counts
+from ._registry import kernel, out_op
 
 FAMILY = "kpool"
 
@@ -100,16 +104,13 @@ def _score_op(scores: torch.Tensor, q: torch.Tensor, head_weights: torch.Tensor,
 # ---------------------------------------------------------------------------
 # argument checks shared by the ops below
 # ---------------------------------------------------------------------------
-def _host_checks(device: torch.device) -> bool:
-    """Value checks (host reads) run on CPU tensors, and on GPU ones under SPARSEKV_DEBUG."""
-    return device.type == "cpu" or debug_checks()
-
-
 def _check_kpool(kpool: int) -> int:
     return check_int("kpool", kpool, minimum=1)
 
 
 def _check_mode(mode: str) -> str:
+    if not isinstance(mode, str):
+        raise TypeError(f"mode: expected a str, got {type(mode).__name__} {mode!r}")
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {', '.join(MODES)}, got {mode!r}")
     return mode
@@ -123,34 +124,29 @@ def _check_keys(k: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor | None, k
     if gate.dim() != 2 or gate.shape != k.shape:
         raise ValueError(f"gate: expected the shape of k {tuple(k.shape)}, got {tuple(gate.shape)}")
     if gate.dtype != k.dtype:
-        raise ValueError(f"gate: expected k's dtype {k.dtype}, got {gate.dtype}")
+        raise TypeError(f"gate: expected k's dtype {k.dtype}, got {gate.dtype}")
     if ape is not None:
         check_tensor("ape", ape, device=k.device)
         if tuple(ape.shape) != (kpool, k.shape[1]):
             raise ValueError(f"ape: expected shape [kpool, D] = ({kpool}, {k.shape[1]}), got {tuple(ape.shape)}")
         if ape.dtype != torch.float32:
-            raise ValueError(f"ape: expected dtype float32, got {ape.dtype}")
+            raise TypeError(f"ape: expected dtype float32, got {ape.dtype}")
     return k.contiguous(), gate.contiguous()
 
 
-def _check_batch(k: torch.Tensor, input_row_offsets: torch.Tensor, cache_lengths: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Offsets ``[B+1]`` ending at ``T`` and cache lengths ``[B]`` (>= 0), both int32 on k's device."""
-    cache_lengths = as_index_tensor("cache_lengths", cache_lengths, ndim=1).to(k.device)
+def _check_batch(input_row_offsets: torch.Tensor, cache_lengths: torch.Tensor, device: torch.device,
+                 rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Offsets ``[B+1]`` (ending at ``rows`` when given, the rows of ``k``) and cache lengths ``[B]``
+    (``>= 0``), both int32 on ``device``. The one rule for every op that takes them."""
+    cache_lengths = check_nonnegative("cache_lengths",
+                                      as_index_tensor("cache_lengths", cache_lengths, ndim=1).to(device))
     batch = cache_lengths.shape[0]
     check_tensor("input_row_offsets", input_row_offsets, ndim=1)
     if input_row_offsets.shape[0] != batch + 1:
         raise ValueError(f"input_row_offsets: expected shape ({batch + 1},) = batch + 1 (batch from "
                          f"cache_lengths), got {tuple(input_row_offsets.shape)}")
-    offsets = input_row_offsets.to(k.device)
-    if _host_checks(k.device):
-        offsets = check_offsets("input_row_offsets", offsets, batch=batch)
-        if int(offsets[-1]) != k.shape[0]:
-            raise ValueError(f"input_row_offsets: last offset {int(offsets[-1])} must equal k rows {k.shape[0]}")
-        if batch and bool((cache_lengths < 0).any()):
-            raise ValueError(f"cache_lengths: expected values >= 0, got {cache_lengths.tolist()}")
-    else:
-        offsets = as_index_tensor("input_row_offsets", offsets, ndim=1)
+    offsets = check_offsets("input_row_offsets", input_row_offsets.to(device), batch=batch, total=rows,
+                            total_of="rows of k")
     return offsets.contiguous(), cache_lengths.contiguous()
 
 
@@ -163,13 +159,13 @@ def _check_ring(ring: torch.Tensor, slot_ids: torch.Tensor, k: torch.Tensor, kpo
         raise ValueError(f"ring: expected shape [max_slots, 2, kpool, D] = (*, 2, {kpool}, {k.shape[1]}), "
                          f"got {tuple(ring.shape)}")
     if ring.dtype != k.dtype:
-        raise ValueError(f"ring: expected k's dtype {k.dtype}, got {ring.dtype}")
+        raise TypeError(f"ring: expected k's dtype {k.dtype}, got {ring.dtype}")
     if not ring.is_contiguous():
         raise ValueError("ring: expected a contiguous tensor (it is updated in place)")
     slot_ids = as_index_tensor("slot_ids", slot_ids, ndim=1).to(k.device)
     if slot_ids.shape[0] != batch:
         raise ValueError(f"slot_ids: expected shape ({batch},) = batch, got {tuple(slot_ids.shape)}")
-    if _host_checks(k.device) and batch:
+    if host_checks(k.device) and batch:
         if bool(((slot_ids < 0) | (slot_ids >= ring.shape[0])).any()):
             raise ValueError(f"slot_ids: expected values in [0, {ring.shape[0]}) (ring slots), "
                              f"got {slot_ids.tolist()}")
@@ -191,19 +187,16 @@ def kpool_pool_row_offsets(input_row_offsets: torch.Tensor, cache_lengths: torch
         kpool: tokens per pool (>= 1).
 
     Returns ``[B+1]`` int32: the exclusive prefix sum of
-    ``P = max(0, floor((c+n)/kpool) - ceil(c/kpool))`` (SPEC 3.1).
+    ``P = max(0, floor((c+n)/kpool) - ceil(c/kpool))`` (SPEC 3.1). The
+    arguments are checked as :func:`mla_kpool_compress` checks them
+    (``cache_lengths >= 0``, offsets from 0, non-decreasing).
 
     Example, kpool 4, cache lengths ``[6, 0, 3]``, offsets ``[0, 7, 10, 15]``
     (``n = 7, 3, 5``): ``P = [3-2, 0-0, 2-1] = [1, 0, 1]``, result ``[0, 1, 1, 2]``.
     """
-    from ..kernels.reference.kpool import pool_counts
-
     _check_kpool(kpool)
-    cache_lengths = as_index_tensor("cache_lengths", cache_lengths, ndim=1)
-    check_tensor("input_row_offsets", input_row_offsets, shape=(cache_lengths.shape[0] + 1,))
-    offsets = input_row_offsets.to(cache_lengths.device)
-    if _host_checks(offsets.device):
-        offsets = check_offsets("input_row_offsets", offsets, batch=cache_lengths.shape[0])
+    device = cache_lengths.device if isinstance(cache_lengths, torch.Tensor) else None
+    offsets, cache_lengths = _check_batch(input_row_offsets, cache_lengths, device)
     counts = pool_counts(offsets, cache_lengths, kpool)
     return torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
 
@@ -237,14 +230,14 @@ def mla_kpool_compress(k: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, i
     _check_kpool(kpool)
     _check_mode(mode)
     k, gate = _check_keys(k, gate, ape, kpool)
-    offsets, cache_lengths = _check_batch(k, input_row_offsets, cache_lengths)
+    offsets, cache_lengths = _check_batch(input_row_offsets, cache_lengths, k.device, k.shape[0])
     expected = kpool_pool_row_offsets(offsets, cache_lengths, kpool=kpool)
     if pool_row_offsets is None:
         pool_offsets = expected
     else:
         check_tensor("pool_row_offsets", pool_row_offsets, shape=(cache_lengths.shape[0] + 1,))
         pool_offsets = as_index_tensor("pool_row_offsets", pool_row_offsets, ndim=1).to(k.device)
-        if _host_checks(k.device) and not torch.equal(pool_offsets, expected):
+        if host_checks(k.device) and not torch.equal(pool_offsets, expected):
             raise ValueError(
                 f"pool_row_offsets: expected {expected.tolist()} (exclusive prefix sum of "
                 f"max(0, floor((c+n)/kpool) - ceil(c/kpool)) per sequence), got {pool_offsets.tolist()}")
@@ -285,7 +278,7 @@ def mla_kpool_ring_close(ring: torch.Tensor, slot_ids: torch.Tensor, k: torch.Te
     _check_kpool(kpool)
     _check_mode(mode)
     k, gate = _check_keys(k, gate, ape, kpool)
-    offsets, cache_lengths = _check_batch(k, input_row_offsets, cache_lengths)
+    offsets, cache_lengths = _check_batch(input_row_offsets, cache_lengths, k.device, k.shape[0])
     batch = cache_lengths.shape[0]
     slot_ids = _check_ring(ring, slot_ids, k, kpool, batch)
     closed = torch.empty(batch, k.shape[1], dtype=k.dtype, device=k.device)
@@ -308,7 +301,7 @@ def mla_kpool_seed_tail(ring: torch.Tensor, slot_ids: torch.Tensor, k: torch.Ten
     """
     _check_kpool(kpool)
     k, gate = _check_keys(k, gate, None, kpool)
-    offsets, cache_lengths = _check_batch(k, input_row_offsets, cache_lengths)
+    offsets, cache_lengths = _check_batch(input_row_offsets, cache_lengths, k.device, k.shape[0])
     slot_ids = _check_ring(ring, slot_ids, k, kpool, cache_lengths.shape[0])
     _seed_tail_op(ring, slot_ids, k, gate, offsets, cache_lengths, kpool)
 
@@ -340,10 +333,7 @@ def mla_kpool_score(q: torch.Tensor, head_weights: torch.Tensor, pooled_collecti
     ``scores[1, 1] == -inf``.
     """
     _check_kpool(kpool)
-    if not isinstance(pooled_collection, PagedKVCacheCollection):
-        raise TypeError(f"pooled_collection: expected a PagedKVCacheCollection, got "
-                        f"{type(pooled_collection).__name__}")
-    pc = pooled_collection
+    pc = check_instance("pooled_collection", pooled_collection, PagedKVCacheCollection)
     pc._check_layer(layer_idx)
     if pc.num_heads != 1:
         raise ValueError(f"pooled_collection: expected one head (one pooled key per pool), got {pc.num_heads}")
@@ -351,25 +341,22 @@ def mla_kpool_score(q: torch.Tensor, head_weights: torch.Tensor, pooled_collecti
     if q.shape[2] != pc.head_size:
         raise ValueError(f"q: expected head dim {pc.head_size} (the pooled cache's), got {q.shape[2]}")
     if q.dtype != pc.dtype:
-        raise ValueError(f"q: expected the pooled cache's dtype {pc.dtype}, got {q.dtype}")
+        raise TypeError(f"q: expected the pooled cache's dtype {pc.dtype}, got {q.dtype}")
     total_q, heads = q.shape[0], q.shape[1]
     check_tensor("head_weights", head_weights, shape=(total_q, heads), dtypes=KEY_DTYPES, device=pc.device)
     positions = as_index_tensor("query_positions", query_positions, ndim=1).to(pc.device)
     if positions.shape[0] != total_q:
         raise ValueError(f"query_positions: expected shape ({total_q},) = q rows, got {tuple(positions.shape)}")
     check_tensor("input_row_offsets", input_row_offsets, ndim=1)
-    offsets = input_row_offsets.to(pc.device)
-    host = _host_checks(pc.device)
-    if host:
-        offsets = check_offsets("input_row_offsets", offsets, batch=pc.batch_size)
-        if int(offsets[-1]) != total_q:
-            raise ValueError(f"input_row_offsets: last offset {int(offsets[-1])} must equal q rows {total_q}")
-        if total_q and int(host_array(positions).min()) < 0:
-            raise ValueError(f"query_positions: expected values >= 0, got {positions.tolist()}")
-    else:
-        offsets = as_index_tensor("input_row_offsets", offsets, ndim=1)
+    offsets = check_offsets("input_row_offsets", input_row_offsets.to(pc.device), batch=pc.batch_size,
+                            total=total_q, total_of="q rows")
+    check_nonnegative("query_positions", positions)
+    host = host_checks(pc.device)
     if out_cols is None or host:
         needed = (int(host_array(positions).max()) + 1) // kpool if total_q else 0
+        if host and needed > pc.max_pages_per_seq * pc.page_size:
+            # a row sees a pool past the lookup table: refuse before sizing anything by its position
+            check_score_pages(pc.lookup_table, pc.num_pages, pc.page_size, positions, offsets, kpool, needed)
         if out_cols is None:
             out_cols = needed
         elif check_int("out_cols", out_cols, minimum=0) < needed:
@@ -411,8 +398,7 @@ def mla_kpool_expand_topk(scores: torch.Tensor, query_positions: torch.Tensor, *
 
     _check_kpool(kpool)
     check_int("topk", topk, minimum=0)
-    if not isinstance(always_select_tail, bool):
-        raise TypeError(f"always_select_tail: expected a bool, got {type(always_select_tail).__name__}")
+    check_bool("always_select_tail", always_select_tail)
     indices, counts = select_blocks_expand(scores, query_positions, ratio=kpool, budget=topk,
                                            include_tail=always_select_tail)
     return KPoolSelection(indices, counts)

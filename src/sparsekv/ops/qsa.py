@@ -18,17 +18,15 @@ One layer step (SPEC 2.6)::
 
 from __future__ import annotations
 
-import math
-
 import numba
 import numpy as np
 import torch
 
-from .._checks import (KEY_DTYPES, as_index_tensor, check_int, check_offsets, check_same_dtype, check_tensor,
-                       host_array)
-from ..cache.layout import PagedKVCacheCollection
-from ..kernels.reference.qsa import check_needed_pages
-from ._registry import debug_checks, kernel, out_op
+from .._checks import (KEY_DTYPES, as_index_tensor, check_bool, check_float, check_freqs_cis_rows, check_instance,
+                       check_int, check_nonnegative, check_offsets, check_same_dtype, check_tensor, host_array)
+from .._env import host_checks
+from ..cache.layout import PagedKVCacheCollection, check_needed_pages
+from ._registry import kernel, out_op
 from .select import SelectedTokens, select_blocks_expand
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -92,36 +90,9 @@ def _sparse_attention_op(
 
 # ---- helpers ---------------------------------------------------------------
 
-def _host_checks(device: torch.device) -> bool:
-    """Whether value-dependent checks run: always on CPU, on GPUs only with SPARSEKV_DEBUG=1."""
-    return device.type == "cpu" or debug_checks()
-
-
-def _check_float(name: str, value: object, *, positive: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name}: expected a float, got {type(value).__name__}")
-    value = float(value)
-    if not math.isfinite(value) or (positive and value <= 0) or value < 0:
-        want = "a finite float > 0" if positive else "a finite float >= 0"
-        raise ValueError(f"{name}: expected {want}, got {value}")
-    return value
-
-
-def _check_collection(value: object) -> PagedKVCacheCollection:
-    if not isinstance(value, PagedKVCacheCollection):
-        raise TypeError(f"kv_collection: expected a sparsekv.PagedKVCacheCollection, got {type(value).__name__}")
-    return value
-
-
 def _check_row_offsets(offsets: torch.Tensor, batch: int, total_rows: int, device: torch.device) -> torch.Tensor:
-    offsets = as_index_tensor("input_row_offsets", offsets, ndim=1).to(device)
-    if offsets.shape[0] != batch + 1:
-        raise ValueError(f"input_row_offsets: expected shape ({batch + 1},) = batch + 1, got {tuple(offsets.shape)}")
-    if _host_checks(device):
-        offsets = check_offsets("input_row_offsets", offsets, batch=batch)
-        if int(offsets[-1]) != total_rows:
-            raise ValueError(f"input_row_offsets: last offset {int(offsets[-1])} must equal the {total_rows} query rows")
-    return offsets
+    check_tensor("input_row_offsets", offsets, ndim=1)
+    return check_offsets("input_row_offsets", offsets.to(device), batch=batch, total=total_rows, total_of="q rows")
 
 
 # ---- public ops --------------------------------------------------------------
@@ -172,13 +143,13 @@ def qsa_compress_keys_paged(
     pool tokens 0..3 and 4..7 of sequence 0, rows 2-5 are zero (9 // 4 = 2
     blocks; 3 // 4 = 0 blocks).
     """
-    c = _check_collection(kv_collection)
+    c = check_instance("kv_collection", kv_collection, PagedKVCacheCollection)
     c._check_layer(layer_idx)
     check_int("ratio", ratio, minimum=1)
-    eps = _check_float("eps", eps)
+    eps = check_float("eps", eps, minimum=0.0)
     check_tensor("gamma", gamma, ndim=1, dtypes=FLOAT_DTYPES, device=c.device)
     check_tensor("freqs_cis", freqs_cis, ndim=2, dtypes=FLOAT_DTYPES, device=c.device)
-    key_counts = as_index_tensor("key_counts", key_counts, ndim=1).to(c.device)
+    key_counts = check_nonnegative("key_counts", as_index_tensor("key_counts", key_counts, ndim=1).to(c.device))
     batch = key_counts.shape[0]
     if batch == 0:
         raise ValueError("key_counts: empty batch (0 sequences); expected at least one")
@@ -218,18 +189,11 @@ def qsa_compress_keys_paged(
             raise ValueError("out (block_keys): expected a contiguous tensor")
         max_blocks = out.shape[0] // batch
 
-    if _host_checks(c.device):
-        counts = host_array(key_counts)
-        if counts.min() < 0:
-            raise ValueError(f"key_counts: expected values >= 0 (< 2**31), got {counts.tolist()}")
-        num_blocks = np.minimum(counts.astype(np.int64) // ratio, max_blocks)
-        last_start = int(num_blocks.max()) * ratio - ratio
-        if last_start >= freqs_cis.shape[0]:
-            raise ValueError(f"freqs_cis: {freqs_cis.shape[0]} rows is too short; "
-                             f"sequence {int(num_blocks.argmax())} needs position {last_start}")
+    if host_checks(c.device):
+        num_blocks = np.minimum(host_array(key_counts).astype(np.int64) // ratio, max_blocks)
+        check_freqs_cis_rows(freqs_cis.shape[0], num_blocks, ratio)
         if c.device.type != "cpu":  # CPU kernels check pages themselves before reading
-            check_needed_pages(c.lookup_table, c.num_pages, c.page_size,
-                               torch.from_numpy(num_blocks * ratio).to(c.device))
+            check_needed_pages(c.lookup_table, c.num_pages, c.page_size, torch.from_numpy(num_blocks * ratio))
     _compress_op(out, gamma, freqs_cis, key_counts, c.blocks, c.lookup_table, layer_idx, ratio, eps)
     return out
 
@@ -268,7 +232,7 @@ def qsa_block_score(
     0-1 of sequence 0 (rows 0-1), row 1 none, row 2 block 0 of sequence 1 (row 8).
     """
     check_int("ratio", ratio, minimum=1)
-    score_scale = _check_float("score_scale", score_scale, positive=True)
+    score_scale = check_float("score_scale", score_scale, positive=True)
     check_tensor("q", q, ndim=3, dtypes=KEY_DTYPES)
     check_tensor("block_keys", block_keys, ndim=2, dtypes=KEY_DTYPES, device=q.device)
     check_same_dtype(("q", "block_keys"), q, block_keys)
@@ -286,9 +250,7 @@ def qsa_block_score(
     positions = as_index_tensor("query_positions", query_positions, ndim=1).to(q.device)
     if positions.shape[0] != total_q:
         raise ValueError(f"query_positions: expected shape ({total_q},) = q rows, got {tuple(positions.shape)}")
-    if _host_checks(q.device) and total_q and bool((positions < 0).any()):
-        bad = int(torch.nonzero(positions < 0)[0])
-        raise ValueError(f"query_positions: expected positions >= 0, got {int(positions[bad])} at row {bad}")
+    check_nonnegative("query_positions", positions)
     if out is not None:
         check_tensor("out (scores)", out, ndim=2, dtypes=(torch.float32,), device=q.device)
         if out_cols is not None and out.shape[1] != out_cols:
@@ -383,15 +345,12 @@ def qsa_sparse_attention_paged(
     position 5, already stored), ``indices = [[0, 1, 5, -1]]``, ``counts = [3]``:
     the row attends over tokens 0, 1 and 5.
     """
-    c = _check_collection(kv_collection)
+    c = check_instance("kv_collection", kv_collection, PagedKVCacheCollection)
     c._check_layer(layer_idx)
     if c.kv_planes != 2:
         raise ValueError(f"kv_collection: expected a K/V cache (KV == 2), got KV == {c.kv_planes}")
-    scale = float(scale) if isinstance(scale, (int, float)) and not isinstance(scale, bool) else scale
-    if not isinstance(scale, float) or not math.isfinite(scale):
-        raise TypeError(f"scale: expected a finite float, got {scale!r}")
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse: expected a bool, got {type(return_lse).__name__}")
+    scale = check_float("scale", scale)
+    check_bool("return_lse", return_lse)
     check_tensor("q", q, ndim=3, dtypes=(c.dtype,), device=c.device)
     total_q, q_heads, head_dim = q.shape
     if head_dim != c.head_size:
@@ -407,7 +366,7 @@ def qsa_sparse_attention_paged(
     if counts.shape[0] != total_q:
         raise ValueError(f"counts: expected shape ({total_q},) = q rows, got {tuple(counts.shape)}")
     offsets = _check_row_offsets(input_row_offsets, c.batch_size, total_q, c.device)
-    if _host_checks(c.device) and total_q:
+    if host_checks(c.device) and total_q:
         _check_counted_positions(indices, counts, offsets, c.cache_lengths)
     out = torch.empty_like(q)
     lse = torch.empty(total_q, q_heads, dtype=torch.float32, device=c.device)

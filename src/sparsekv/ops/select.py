@@ -11,8 +11,8 @@ from typing import NamedTuple
 
 import torch
 
-from .._checks import as_index_tensor, check_int, check_tensor
-from ._registry import debug_checks, kernel, out_op
+from .._checks import as_index_tensor, check_bool, check_int, check_nonnegative, check_tensor
+from ._registry import kernel, out_op
 
 
 class SelectedTokens(NamedTuple):
@@ -71,16 +71,13 @@ def select_blocks_expand(
     """
     check_int("ratio", ratio, minimum=1)
     check_int("budget", budget, minimum=0)
-    if not isinstance(include_tail, bool):
-        raise TypeError(f"include_tail: expected a bool, got {type(include_tail).__name__}")
+    check_bool("include_tail", include_tail)
     check_tensor("scores", scores, ndim=2, dtypes=(torch.float32,))
     total_q = scores.shape[0]
     positions = as_index_tensor("query_positions", query_positions, ndim=1).to(scores.device)
     if positions.shape[0] != total_q:
         raise ValueError(f"query_positions: expected shape ({total_q},) = scores rows, got {tuple(positions.shape)}")
-    if (scores.device.type == "cpu" or debug_checks()) and total_q and bool((positions < 0).any()):
-        bad = int(torch.nonzero(positions < 0)[0])
-        raise ValueError(f"query_positions: expected positions >= 0, got {int(positions[bad])} at row {bad}")
+    check_nonnegative("query_positions", positions)
     width = budget + ratio - 1
     if out is None:
         indices = torch.empty(total_q, width, dtype=torch.int32, device=scores.device)

@@ -28,7 +28,8 @@ What each kernel is made of, and why (measured with ``benchmarks/bench_kpool.py`
   which would otherwise stop vectorisation.
 * threads: a parallel region costs a barrier, milliseconds on oversubscribed
   cores, so a call gets one thread per 1024 pools (at least one).
-* mode last, seed tail: pure gathers/scatters, already memory-bound in torch.
+* mode last: a pure gather, already memory-bound in torch; the seed tail (a scatter of
+  whole rows) is the reference's, which the op registry runs for the ops this module leaves out.
 * score: one numba pass, one task per (sequence, chunk of 128 pools): the
   chunk's pooled keys are read in place, page by page, through the page table
   (bf16 as bits, no copy), by each group of the sequence's rows in register
@@ -49,14 +50,13 @@ import torch
 from numba import types
 from numba.extending import overload
 
-from ...cache.layout import resolve_pages
-from ..reference.kpool import mla_kpool_seed_tail as mla_kpool_seed_tail  # scatter of whole rows: memory-bound
+from ..reference.kpool import score_page_error
 from ._bits import as_numba, narrow, widen
 from ._dot_tile import (KEYS_PER_TASK, KEYS_PER_TILE, VECTOR, dots_of_rows, new_scratch, plan_score_tasks,
                         relu_sums, score_task, transpose_dots)
 from ._math import exp_f32
+from ._pages import first_missing_page
 from ._parallel import numba_threads, threads_for
-from .qsa import _first_missing_page  # the same page check: tokens there, pools here
 
 _MODE_SOFTMAX, _MODE_MEAN = 0, 1
 _POOLS_PER_TASK = 64  # pools per prange task: enough work to amortise scheduling, small scratch
@@ -264,12 +264,14 @@ def _visibility(positions, offsets, kpool, out_cols):
     return visible, needed, total
 
 
-def _check_score_pages(pooled_blocks, lookup_table, needed):
-    """``ValueError`` (the reference's wording: the first bad pool) unless every visible pool has a page."""
+def _check_score_pages(pooled_blocks, lookup_table, needed, query_positions, input_row_offsets, kpool):
+    """The reference's :func:`~sparsekv.kernels.reference.kpool.score_page_error` unless every visible pool
+    has a page (found by a numba loop over the table, without temporaries)."""
     per_page = pooled_blocks.shape[3]
-    seq, pool = _first_missing_page(lookup_table.numpy(), pooled_blocks.shape[0], per_page, needed)
+    seq, pool = first_missing_page(lookup_table.numpy(), pooled_blocks.shape[0], per_page, needed)
     if seq >= 0:
-        resolve_pages(lookup_table, pooled_blocks.shape[0], per_page, torch.tensor([seq]), torch.tensor([pool]))
+        raise score_page_error(lookup_table, pooled_blocks.shape[0], per_page, query_positions, input_row_offsets,
+                               kpool, seq, pool)
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
@@ -323,7 +325,7 @@ def mla_kpool_score(scores, q, head_weights, pooled_blocks, lookup_table, query_
         return
     offsets = input_row_offsets.numpy()
     visible, needed, total_visible = _visibility(query_positions.numpy(), offsets, kpool, out_cols)
-    _check_score_pages(pooled_blocks, lookup_table, needed)
+    _check_score_pages(pooled_blocks, lookup_table, needed, query_positions, input_row_offsets, kpool)
     num_pages, planes, layers, per_page, _, dim = pooled_blocks.shape
     if num_pages == 0:  # validated above: no row sees a pool
         cache, page_stride = pooled_blocks.new_empty(0), 0
@@ -342,4 +344,4 @@ def mla_kpool_score(scores, q, head_weights, pooled_blocks, lookup_table, query_
         scores.copy_(target)
 
 
-__all__ = ["mla_kpool_compress", "mla_kpool_ring_close", "mla_kpool_score", "mla_kpool_seed_tail"]
+__all__ = ["mla_kpool_compress", "mla_kpool_ring_close", "mla_kpool_score"]

@@ -60,12 +60,16 @@ import numpy as np
 import torch
 from numba import prange
 
+from ..._checks import check_freqs_cis_rows
+from ...cache.layout import page_error
+from ..reference.qsa import counted_entry_error
 from ._bits import as_numba, narrow, widen
 from ._dot_tile import (KEYS_PER_TASK, KEYS_PER_TILE, SQUARE_SUM_ROWS, VECTOR, WEIGHTED_CHANNELS,
                         dots_of_gathered_rows, dots_of_rows, gather_rows, new_query_tiles, new_scratch,
                         new_value_scratch, plan_score_tasks, put_query, relu_sums, score_task, square_sums_in_order,
                         transpose_dots, weighted_rows)
 from ._math import exp_f32
+from ._pages import first_missing_page
 from ._parallel import PARALLEL_JIT, threads_for
 
 _ROWS_PER_TASK = 64  # block-key rows per compress task (groups of SQUARE_SUM_ROWS: their RMSNorm sums run at once)
@@ -87,25 +91,6 @@ def _flat_plane(blocks: torch.Tensor, plane: int, layer: int) -> tuple[np.ndarra
     return as_numba(flat), blocks.stride(0), (plane * layers + layer) * page_size * heads * dim
 
 
-@numba.njit(cache=True, nogil=True)
-def _first_missing_page(table, num_pages, page_size, token_counts):
-    """(sequence, first position of the page) of the first page that tokens ``0 .. token_counts[b]-1``
-    need and the table does not hold validly; (-1, -1) if every page is there."""
-    for b in range(token_counts.shape[0]):
-        for logical in range((token_counts[b] + page_size - 1) // page_size):
-            if logical >= table.shape[1] or table[b, logical] < 0 or table[b, logical] >= num_pages:
-                return b, logical * page_size
-    return -1, -1
-
-
-def _page_problem(lookup_table: torch.Tensor, num_pages: int, page_size: int, b: int, t: int) -> str:
-    """Why position ``t`` of sequence ``b`` has no page (the wording of ``resolve_pages``)."""
-    if t < 0:
-        return "a negative position (-1 marks an unused entry)"
-    if t // page_size >= lookup_table.shape[1]:
-        return f"logical page {t // page_size} is beyond the lookup table's {lookup_table.shape[1]} columns"
-    page = int(lookup_table[b, t // page_size])
-    return "its page is unassigned (sentinel)" if page < 0 else f"its page {page} is outside [0, {num_pages})"
 
 
 @numba.njit(**PARALLEL_JIT)
@@ -204,15 +189,11 @@ def qsa_compress_keys_paged(block_keys, gamma, freqs_cis, key_counts, blocks, lo
     max_blocks = block_keys.shape[0] // batch
     # host math in numpy: a torch op costs several microseconds each, this whole wrapper ~10
     num_blocks = np.clip(key_counts.numpy().astype(np.int64) // ratio, 0, max_blocks)
-    b, t = _first_missing_page(lookup_table.numpy(), blocks.shape[0], blocks.shape[3], num_blocks * ratio)
+    check_freqs_cis_rows(freqs_cis.shape[0], num_blocks, ratio)
+    b, t = first_missing_page(lookup_table.numpy(), blocks.shape[0], blocks.shape[3], num_blocks * ratio)
     if b >= 0:
-        raise ValueError(f"paged cache: sequence {b}, position {t}: "
-                         f"{_page_problem(lookup_table, blocks.shape[0], blocks.shape[3], b, t)}")
+        raise page_error(lookup_table, blocks.shape[0], blocks.shape[3], b, t)
     needed_positions = int(num_blocks.max()) * ratio - ratio + 1 if batch else 0
-    if needed_positions > freqs_cis.shape[0]:
-        b = int(num_blocks.argmax())
-        raise ValueError(f"freqs_cis: sequence {b} needs position {needed_positions - 1} but the table has "
-                         f"{freqs_cis.shape[0]} rows")
     if freqs_cis.dtype == torch.float64:  # round once, from float64 straight to the keys' dtype
         freqs_cis = freqs_cis.to(block_keys.dtype)
     freqs = freqs_cis[: max(needed_positions, 1)].float().contiguous()
@@ -406,13 +387,10 @@ def _first_bad_entry(table, num_pages, page_size, indices, counts, seq_of_row):
 
 
 def _check_counted_entries(lookup_table, num_pages, page_size, indices, counts, seq_of_row):
-    """``ValueError`` naming row and entry for a negative or unpaged position inside a counted region."""
+    """The reference's ``counted_entry_error`` for a negative or unpaged position inside a counted region."""
     r, i = _first_bad_entry(lookup_table.numpy(), num_pages, page_size, indices.numpy(), counts.numpy(), seq_of_row)
-    if r < 0:
-        return
-    t, b = int(indices[r, i]), int(seq_of_row[r])
-    raise ValueError(f"indices: row {r}, entry {i} inside the counted region (counts[{r}] = {int(counts[r])}): "
-                     f"sequence {b}, position {t}: {_page_problem(lookup_table, num_pages, page_size, b, t)}")
+    if r >= 0:
+        raise counted_entry_error(lookup_table, num_pages, page_size, indices, counts, r, i, int(seq_of_row[r]))
 
 
 def qsa_sparse_attention_paged(out, lse, q, blocks, lookup_table, indices, counts, input_row_offsets, layer, scale,

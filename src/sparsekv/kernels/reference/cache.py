@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ...cache.layout import ragged_rows, resolve_pages
+from ...cache.layout import store_rows
 
 
 def paged_store(
@@ -19,9 +19,8 @@ def paged_store(
     """Write ``values [T, H, D]``: row ``i`` of sequence ``b`` to position ``cache_lengths[b] + i``.
 
     Every destination is validated before the first write (nothing is written
-    when one page is missing).
+    when one page is missing): the storage's own address math,
+    :func:`sparsekv.cache.layout.store_rows`. The CPU backend runs this too
+    (a store is a scatter of whole rows, memory-bound in vectorised torch).
     """
-    seq_ids, local = ragged_rows(input_row_offsets)
-    positions = cache_lengths.to(torch.int64)[seq_ids] + local
-    pages, rows = resolve_pages(lookup_table, blocks.shape[0], blocks.shape[3], seq_ids, positions)
-    blocks[pages, plane, layer, rows] = values
+    store_rows(blocks, values, lookup_table, cache_lengths, input_row_offsets, plane, layer)

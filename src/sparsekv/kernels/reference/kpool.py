@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import torch
 
-from ...cache.layout import ragged_rows, resolve_pages
+from ...cache.layout import first_missing_page, page_problem, ragged_rows
 
 MODES = ("softmax", "mean", "last")
 
@@ -106,6 +106,50 @@ def pool_counts(input_row_offsets: torch.Tensor, cache_lengths: torch.Tensor, kp
     end_pool = torch.div(cached + lengths, kpool, rounding_mode="floor")
     first_pool = torch.div(cached + kpool - 1, kpool, rounding_mode="floor")
     return (end_pool - first_pool).clamp_min(0)
+
+
+def visible_pools(query_positions: torch.Tensor, kpool: int, out_cols: int) -> torch.Tensor:
+    """Pools each query row sees, int64 ``[total_q]``: ``(t+1) // kpool`` capped to ``[0, out_cols]``."""
+    visible = torch.div(query_positions.to(torch.int64) + 1, kpool, rounding_mode="floor")
+    return visible.clamp(0, out_cols)
+
+
+def score_page_error(lookup_table: torch.Tensor, num_pages: int, pools_per_page: int,
+                     query_positions: torch.Tensor, input_row_offsets: torch.Tensor, kpool: int,
+                     seq: int, pool: int) -> ValueError:
+    """The ``ValueError`` for pool ``pool`` of sequence ``seq`` without a valid page in the pooled cache.
+
+    Names what the caller passed: the first query row of the sequence that
+    sees that pool and its position, then why the pool has no page.
+    """
+    start, end = int(input_row_offsets[seq]), int(input_row_offsets[seq + 1])
+    positions = query_positions[start:end].to(torch.int64)
+    row = start + int(torch.nonzero(torch.div(positions + 1, kpool, rounding_mode="floor") > pool)[0])
+    first = pool * kpool
+    return ValueError(
+        f"query_positions: row {row} (sequence {seq}) at position {int(query_positions[row])} sees pool {pool} "
+        f"(positions {first}..{first + kpool - 1}), which has no page in the pooled cache: "
+        f"{page_problem(lookup_table, num_pages, pools_per_page, seq, pool)}")
+
+
+def check_score_pages(lookup_table: torch.Tensor, num_pages: int, pools_per_page: int,
+                      query_positions: torch.Tensor, input_row_offsets: torch.Tensor, kpool: int,
+                      out_cols: int) -> None:
+    """Raise :func:`score_page_error` unless every pool a query row sees has a valid page.
+
+    Memory and time in proportion to the rows and the lookup table, whatever
+    the positions: the pools a sequence needs are counted, never listed.
+    """
+    if query_positions.shape[0] == 0:
+        return
+    seq_of_row, _ = ragged_rows(input_row_offsets)
+    visible = visible_pools(query_positions, kpool, out_cols)
+    needed = torch.zeros(input_row_offsets.shape[0] - 1, dtype=torch.int64, device=visible.device)
+    needed = needed.scatter_reduce(0, seq_of_row, visible, reduce="amax")
+    missing = first_missing_page(lookup_table, num_pages, pools_per_page, needed)
+    if missing is not None:
+        raise score_page_error(lookup_table, num_pages, pools_per_page, query_positions, input_row_offsets, kpool,
+                               *missing)
 
 
 def compress_member_rows(
@@ -284,7 +328,8 @@ def mla_kpool_score(
     ``scores[r, p] = sum_h head_weights[r, h] * relu(q[r, h] . K_p)`` (fp32)
     for the ``v = min((t+1) // kpool, out_cols)`` visible pools ``p < v``;
     every other column is ``-inf``. A missing page among the visible pools
-    raises ``ValueError`` before anything is written.
+    raises ``ValueError`` (:func:`score_page_error`: the query row and
+    position that needed it) before anything is written.
 
     Example, kpool 4, pools_per_page 2: a row at ``t = 10`` sees pools 0, 1
     (positions 0..7; pool 2 ends at 11 > 10), both in logical page 0.
@@ -292,15 +337,15 @@ def mla_kpool_score(
     total_q = scores.shape[0]
     if total_q == 0:
         return
+    # Every page is validated first, in bounded memory, before anything is listed or written.
+    check_score_pages(lookup_table, pooled_blocks.shape[0], pooled_blocks.shape[3], query_positions,
+                      input_row_offsets, kpool, scores.shape[1])
     seq_of_row, _ = ragged_rows(input_row_offsets)
-    visible = torch.div(query_positions.to(torch.int64) + 1, kpool, rounding_mode="floor")
-    visible = visible.clamp(0, scores.shape[1])
-    # Resolve (and validate) every page before the first write.
+    visible = visible_pools(query_positions, kpool, scores.shape[1])
     pair_rows, pair_pools = ragged_rows(torch.cat([visible.new_zeros(1), visible.cumsum(0)]))
-    pages, page_rows = resolve_pages(
-        lookup_table, pooled_blocks.shape[0], pooled_blocks.shape[3], seq_of_row[pair_rows], pair_pools
-    )
-    keys = pooled_blocks[pages, 0, layer, page_rows, 0].float()  # [pairs, D]
+    per_page = pooled_blocks.shape[3]
+    pages = lookup_table[seq_of_row[pair_rows], torch.div(pair_pools, per_page, rounding_mode="floor")].long()
+    keys = pooled_blocks[pages, 0, layer, pair_pools % per_page, 0].float()  # [pairs, D]
     scores.fill_(float("-inf"))
     starts = torch.cat([visible.new_zeros(1), visible.cumsum(0)]).tolist()
     for r in range(total_q):

@@ -25,20 +25,37 @@ from __future__ import annotations
 
 import torch
 
-from ...cache.layout import ragged_rows, resolve_pages
+from ..._checks import check_freqs_cis_rows
+from ...cache.layout import check_needed_pages, page_problem, ragged_rows, resolve_pages
 from ...numerics import apply_rope_neox
 
 
-def check_needed_pages(lookup_table: torch.Tensor, num_pages: int, page_size: int,
-                       token_counts: torch.Tensor) -> None:
-    """Raise ``ValueError`` unless tokens ``0 .. token_counts[b]-1`` of every sequence have a valid page.
+def counted_entry_error(lookup_table: torch.Tensor, num_pages: int, page_size: int, indices: torch.Tensor,
+                        counts: torch.Tensor, row: int, entry: int, seq: int) -> ValueError:
+    """The ``ValueError`` for entry ``entry`` of index row ``row`` (of sequence ``seq``), counted but
+    negative or without a valid page: names the row, the entry, the position passed and why."""
+    t = int(indices[row, entry])
+    return ValueError(f"indices: row {row}, entry {entry} (inside the counted region, counts[{row}] = "
+                      f"{int(counts[row])}) is position {t} of sequence {seq}: "
+                      f"{page_problem(lookup_table, num_pages, page_size, seq, t)}")
 
-    Vectorised over pages (one (sequence, position) probe per logical page);
-    the message names the sequence and the first position of the missing page.
-    """
-    pages_needed = (token_counts.to(torch.int64).clamp_min(0) + page_size - 1) // page_size
-    seq_ids, logical = ragged_rows(torch.cat([pages_needed.new_zeros(1), pages_needed.cumsum(0)]))
-    resolve_pages(lookup_table, num_pages, page_size, seq_ids, logical * page_size)
+
+def check_counted_entries(lookup_table: torch.Tensor, num_pages: int, page_size: int, indices: torch.Tensor,
+                          counts: torch.Tensor, input_row_offsets: torch.Tensor) -> None:
+    """Raise :func:`counted_entry_error` for the first counted entry (row by row, entry by entry) that is
+    negative or has no valid page. Memory in proportion to ``indices``."""
+    width = indices.shape[1]
+    counted = torch.arange(width, device=indices.device)[None, :] < counts.to(torch.int64)[:, None]
+    seq_of_row, _ = ragged_rows(input_row_offsets)
+    positions = indices.to(torch.int64)
+    logical = torch.div(positions, page_size, rounding_mode="floor")
+    in_table = (positions >= 0) & (logical < lookup_table.shape[1])
+    pages = lookup_table[seq_of_row[:, None], torch.where(in_table, logical, torch.zeros_like(logical))]
+    bad = counted & ~(in_table & (pages >= 0) & (pages < num_pages))
+    if bool(bad.any()):
+        row, entry = (int(i) for i in torch.nonzero(bad)[0])
+        raise counted_entry_error(lookup_table, num_pages, page_size, indices, counts, row, entry,
+                                  int(seq_of_row[row]))
 
 
 def qsa_compress_keys_paged(
@@ -74,7 +91,8 @@ def qsa_compress_keys_paged(
         eps: RMSNorm epsilon.
 
     Raises ``ValueError`` naming the sequence and position when a needed
-    page is missing, and when a needed ``freqs_cis`` row is absent.
+    page is missing, and when a needed ``freqs_cis`` row is absent, before
+    writing anything.
 
     Example: ``key_counts = [9, 3]``, ``ratio = 4``, ``B * max_blocks = 2 * 2``:
     rows 0, 1 pool tokens 0..3 and 4..7 of sequence 0 (token 8 waits for its
@@ -83,16 +101,14 @@ def qsa_compress_keys_paged(
     batch = key_counts.shape[0]
     max_blocks = block_keys.shape[0] // batch
     rotary_dim = freqs_cis.shape[1]
+    blocks_per_seq = torch.clamp(key_counts.to(torch.int64) // ratio, 0, max_blocks)
+    check_freqs_cis_rows(freqs_cis.shape[0], blocks_per_seq, ratio)
+    check_needed_pages(lookup_table, blocks.shape[0], blocks.shape[3], blocks_per_seq * ratio)
     block_keys.zero_()
     for b in range(batch):
-        num_blocks = min(int(key_counts[b]) // ratio, max_blocks)
+        num_blocks = int(blocks_per_seq[b])
         if num_blocks <= 0:
             continue
-        if (num_blocks - 1) * ratio >= freqs_cis.shape[0]:
-            raise ValueError(
-                f"freqs_cis: sequence {b} needs position {(num_blocks - 1) * ratio} but the table has "
-                f"{freqs_cis.shape[0]} rows"
-            )
         positions = torch.arange(num_blocks * ratio, device=blocks.device)
         seq_ids = torch.full_like(positions, b)
         pages, rows = resolve_pages(lookup_table, blocks.shape[0], blocks.shape[3], seq_ids, positions)
@@ -205,8 +221,9 @@ def qsa_sparse_attention_paged(
 
     GQA: query head ``h`` reads KV head ``h // (q_heads // kv_heads)``.
 
-    Raises ``ValueError`` naming the row and the entry when a counted entry
-    is negative (``-1``) or its page is missing or out of range.
+    Raises ``ValueError`` (:func:`counted_entry_error`) naming the row and
+    the entry when a counted entry is negative (``-1``) or its page is
+    missing or out of range, before writing anything.
 
     Example: offsets ``[0, 2]``, ``indices[1] = [0, 1, 2, 3, 4, -1]``,
     ``counts[1] = 5``: row 1 attends over tokens 0..4 of sequence 0; the
@@ -215,10 +232,11 @@ def qsa_sparse_attention_paged(
     total_q, q_heads, _ = q.shape
     kv_heads = blocks.shape[4]
     group = q_heads // kv_heads
-    out.zero_()
-    lse.fill_(float("-inf"))
     if total_q == 0:
         return
+    check_counted_entries(lookup_table, blocks.shape[0], blocks.shape[3], indices, counts, input_row_offsets)
+    out.zero_()
+    lse.fill_(float("-inf"))
     seq_of_row, _ = ragged_rows(input_row_offsets)
     for r in range(total_q):
         count = min(int(counts[r]), indices.shape[1])
@@ -226,16 +244,8 @@ def qsa_sparse_attention_paged(
             continue
         b = int(seq_of_row[r])
         positions = indices[r, :count].long()
-        negative = torch.nonzero(positions < 0)
-        if negative.numel():
-            i = int(negative[0])
-            raise ValueError(f"indices: row {r}, entry {i} is {int(positions[i])} inside the counted region "
-                             f"(counts[{r}] = {count})")
-        try:
-            pages, rows = resolve_pages(lookup_table, blocks.shape[0], blocks.shape[3],
-                                        torch.full_like(positions, b), positions)
-        except ValueError as err:
-            raise ValueError(f"indices: row {r}: {err}") from None
+        pages, rows = resolve_pages(lookup_table, blocks.shape[0], blocks.shape[3],
+                                    torch.full_like(positions, b), positions)
         keys = blocks[pages, 0, layer, rows].float()  # [count, kv_heads, D]
         values = blocks[pages, 1, layer, rows].float()
         keys = keys.repeat_interleave(group, dim=1)  # [count, q_heads, D]

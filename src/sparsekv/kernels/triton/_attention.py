@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...cache.layout import ragged_rows, resolve_pages
+from ..reference.qsa import check_counted_entries
 from . import _common
 from ._common import (
     TL_DTYPES,
@@ -204,25 +204,6 @@ def _merge_kernel(
             lse_stride_row, lse_stride_head, HAS_GATE, DTYPE)
 
 
-def _check_counted_entries(blocks, lookup_table, indices, counts, input_row_offsets) -> None:
-    """The reference's host-side checks (CPU tensors or debug mode): every counted entry must be a cached position."""
-    width = indices.shape[1]
-    counted = torch.arange(width, device=indices.device)[None, :] < counts.to(torch.int64)[:, None]
-    rows, entries = torch.nonzero(counted, as_tuple=True)
-    positions = indices[rows, entries].to(torch.int64)
-    negative = torch.nonzero(positions < 0).flatten()
-    if negative.numel():
-        i = int(negative[0])
-        r, e = int(rows[i]), int(entries[i])
-        raise ValueError(f"indices: row {r}, entry {e} is {int(positions[i])} inside the counted region "
-                         f"(counts[{r}] = {int(counts[r])})")
-    seq_of_row, _ = ragged_rows(input_row_offsets)
-    try:
-        resolve_pages(lookup_table, blocks.shape[0], blocks.shape[3], seq_of_row[rows], positions)
-    except ValueError as err:
-        raise ValueError(f"indices: {err}") from None
-
-
 def qsa_sparse_attention_paged(
     out: torch.Tensor,
     lse: torch.Tensor,
@@ -248,7 +229,7 @@ def qsa_sparse_attention_paged(
         return
     _, _, num_layers, page_size, kv_heads, _ = blocks.shape
     if _common.host_checks(q.device):
-        _check_counted_entries(blocks, lookup_table, indices, counts, input_row_offsets)
+        check_counted_entries(lookup_table, blocks.shape[0], blocks.shape[3], indices, counts, input_row_offsets)
     if out.stride(2) != 1:
         packed = torch.empty(out.shape, dtype=out.dtype, device=out.device)
         qsa_sparse_attention_paged(packed, lse, q, blocks, lookup_table, indices, counts, input_row_offsets,

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...ops._registry import debug_checks
+from ..._env import host_checks
 
 __all__ = [
     "TL_DTYPES",
@@ -40,16 +40,6 @@ def interpreting() -> bool:
 
 # Read once at import: TRITON_INTERPRET must be set before any kernel module is imported.
 _INTERPRETED = tl.constexpr(interpreting())
-
-
-def host_checks(device: torch.device) -> bool:
-    """Whether an op first validates device values on the host (pages, counted entries, slots).
-
-    Always for CPU tensors (SPEC 1.1: a missing page raises there); on a GPU
-    only with ``SPARSEKV_DEBUG=1``, since it synchronises with the host.
-    Without it the kernels mask invalid entries instead.
-    """
-    return device.type == "cpu" or debug_checks()
 
 
 def next_pow2(n: int) -> int:

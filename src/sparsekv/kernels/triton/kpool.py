@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...cache.layout import ragged_rows, resolve_pages
+from ..reference.kpool import check_score_pages
 from . import _common
 from ._common import (
     TL_DTYPES,
@@ -349,12 +349,8 @@ def mla_kpool_score(
     if scores.shape[0] == 0:
         return
     if _common.host_checks(scores.device):
-        seq_of_row, _ = ragged_rows(input_row_offsets)
-        visible = torch.div(query_positions.to(torch.int64) + 1, kpool, rounding_mode="floor")
-        visible = visible.clamp(0, scores.shape[1])
-        pair_rows, pair_pools = ragged_rows(torch.cat([visible.new_zeros(1), visible.cumsum(0)]))
-        resolve_pages(lookup_table, pooled_blocks.shape[0], pooled_blocks.shape[3], seq_of_row[pair_rows],
-                      pair_pools)
+        check_score_pages(lookup_table, pooled_blocks.shape[0], pooled_blocks.shape[3], query_positions,
+                          input_row_offsets, kpool, scores.shape[1])
     launch_score(scores, q, pooled_blocks, query_positions, input_row_offsets, kpool, scores.shape[1],
                  head_weights=head_weights, lookup_table=lookup_table, layer=layer)
 

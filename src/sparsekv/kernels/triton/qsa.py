@@ -27,7 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..reference.qsa import check_needed_pages
+from ..._checks import check_freqs_cis_rows
+from ...cache.layout import check_needed_pages
 from . import _common
 from ._attention import qsa_sparse_attention_paged
 from ._common import (
@@ -165,10 +166,7 @@ def qsa_compress_keys_paged(
     _, _, _, page_size, num_heads, _ = blocks.shape
     if _common.host_checks(block_keys.device):
         needed = torch.clamp(key_counts.to(torch.int64) // ratio, max=max_blocks)
-        last_position = (int(needed.max()) - 1) * ratio
-        if last_position >= freqs_cis.shape[0]:
-            raise ValueError(f"freqs_cis: position {last_position} is needed but the table has "
-                             f"{freqs_cis.shape[0]} rows")
+        check_freqs_cis_rows(freqs_cis.shape[0], needed, ratio)
         check_needed_pages(lookup_table, blocks.shape[0], page_size, needed * ratio)
     if block_keys.stride(1) != 1:
         packed = torch.empty(block_keys.shape, dtype=block_keys.dtype, device=block_keys.device)
