@@ -2,6 +2,7 @@
 
     python benchmarks/bench_hf.py [--contexts 4096,16384] [--decode-steps 8] [--dtype fp32|bf16]
                                   [--impls eager,sdpa] [--eager-max-context 8192] [--threads N]
+                                  [--clock wall|cpu]
 
 The patched side also skips Hugging Face's dense ``[B, 1, T, past + T]``
 mask, which the unpatched side builds for its indexer.
@@ -54,8 +55,12 @@ def bench_config(layers: int, heads: int) -> Qwen4ExpTextConfig:
         eos_token_id=None)
 
 
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+clock = time.perf_counter
+
+
 class AttentionTimer:
-    """Wall time spent inside the indexed-attention modules (forward pre-hook to forward hook)."""
+    """Time spent inside the indexed-attention modules (forward pre-hook to forward hook), on ``clock``."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.total = 0.0
@@ -68,10 +73,10 @@ class AttentionTimer:
                 self._handles.append(attention.register_forward_hook(self._leave))
 
     def _enter(self, *_):
-        self._start = time.perf_counter()
+        self._start = clock()
 
     def _leave(self, *_):
-        self.total += time.perf_counter() - self._start
+        self.total += clock() - self._start
 
     def take(self) -> float:
         value, self.total = self.total, 0.0
@@ -83,15 +88,15 @@ def run_case(model, timer: AttentionTimer, ids: torch.Tensor, steps: torch.Tenso
     cache = DynamicCache(config=model.config)
     timer.take()
     with torch.no_grad():
-        start = time.perf_counter()
+        start = clock()
         out = model(ids, past_key_values=cache, logits_to_keep=1)
-        prefill = time.perf_counter() - start
+        prefill = clock() - start
         prefill_attention = timer.take()
         decode = 0.0
         for i in range(steps.shape[1]):
-            start = time.perf_counter()
+            start = clock()
             out = model(steps[:, i:i + 1], past_key_values=cache, logits_to_keep=1)
-            decode += time.perf_counter() - start
+            decode += clock() - start
     decode_attention = timer.take()
     report = {"prefill": prefill, "prefill_attn": prefill_attention, "decode": decode / steps.shape[1],
               "decode_attn": decode_attention / steps.shape[1], "logits": out.logits[:, -1].float()}
@@ -120,8 +125,13 @@ def main() -> None:
     parser.add_argument("--eager-max-context", type=int, default=8192)
     parser.add_argument("--hf-max-context", type=int, default=16384, help="skip the unpatched model above this")
     parser.add_argument("--threads", type=int, help="torch and numba threads (default: their own)")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                        help="wall time, or the process's CPU time (with --threads 1: the work done, whatever "
+                             "else the machine runs)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    global clock
+    clock = CLOCKS[args.clock]
     set_threads(args.threads)
     dtype = DTYPES[args.dtype]
     contexts = [int(c) for c in args.contexts.split(",")]
@@ -177,7 +187,7 @@ def main() -> None:
             print("  ".join("-" * width for width in widths))
     print(f"batch {args.batch}, {args.dtype}, {args.layers} layers ({sum(t == 'indexed_attention' for t in config.layer_types)} "
           f"indexed), {args.heads} query heads; decode: ms per step over {args.decode_steps} steps after the prefill")
-    print(f"torch threads {torch.get_num_threads()}, numba threads {numba.get_num_threads()}; load average before {load_before[0]:.1f}, after "
+    print(f"{args.clock} clock; torch threads {torch.get_num_threads()}, numba threads {numba.get_num_threads()}; load average before {load_before[0]:.1f}, after "
           f"{os.getloadavg()[0]:.1f} (on {os.cpu_count()} CPUs)")
 
 
