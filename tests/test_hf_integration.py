@@ -120,6 +120,25 @@ def test_generate_matches_hf_and_frees_pages(checkpoint, reference):
                 model(ids[:, -1:], past_key_values=out.past_key_values)
 
 
+def test_generate_continues_a_prefilled_cache(checkpoint):
+    """A cache prefilled by a direct call, handed to generate: same tokens as HF, released when generate returns."""
+    ids, mask = left_padded_batch(SEED + 3)
+
+    def run(model):
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            prompt_mask = mask[:, :-3]  # generate places tokens at the mask's cumulative positions: so must we
+            model(ids[:, :-3], attention_mask=prompt_mask, position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0),
+                  past_key_values=cache)
+            return model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=6,
+                                  min_new_tokens=6, do_sample=False)
+
+    expected = run(load(checkpoint))
+    model = patch_model(load(checkpoint), page_size=8, num_pages=32)
+    assert torch.equal(run(model), expected)
+    assert_no_pages(model)
+
+
 def test_weights_are_shared_and_unpatch_restores(checkpoint):
     model = load(checkpoint)
     attention = model.model.layers[0].self_attn
