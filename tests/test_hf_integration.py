@@ -11,6 +11,7 @@ Hugging Face's ``topk`` and sparsekv break ties differently, do not occur.
 from __future__ import annotations
 
 import gc
+import json
 import subprocess
 import sys
 
@@ -293,3 +294,15 @@ def test_run_generate_reports(checkpoint):
     assert 0 < report.sparse_read_fraction < 1 and report.decode_tokens_per_s > 0
     with pytest.raises(GenerateError, match="config.json"):
         run_generate(checkpoint / "missing", prompt_tokens=4, new_tokens=1)
+
+
+def test_generate_command(checkpoint, capsys):
+    """``sparsekv generate`` runs a checkpoint folder and prints its report; a missing folder is exit status 2."""
+    from sparsekv.cli import main
+
+    assert main(["generate", "--model", str(checkpoint), "--prompt-tokens", "20", "--new-tokens", "2",
+                 "--page-size", "8", "--no-progress", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["pages_used"] == 3 and report["decode_tokens_per_s"] > 0  # 22 tokens, 8 per page
+    assert main(["generate", "--model", str(checkpoint / "missing"), "--prompt-tokens", "4",
+                 "--new-tokens", "1", "--no-progress"]) == 2

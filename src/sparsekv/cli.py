@@ -22,6 +22,8 @@ import sys
 import tempfile
 from collections.abc import Sequence
 
+from .integrations.generate import add_generate_arguments
+
 BENCH_FAMILIES = ("qsa", "kpool", "cache", "manager")
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 
@@ -192,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--plot", metavar="FILE.png", help="bar chart of GB/s per row (.png, .svg or .pdf; "
                                                            "needs matplotlib)")
     bench.set_defaults(handler=_bench)
+
+    add_generate_arguments(commands.add_parser(
+        "generate", help="run a local Hugging Face checkpoint (config.json + safetensors) through sparsekv"))
     return parser
 
 
