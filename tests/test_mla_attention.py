@@ -11,6 +11,7 @@ from test_qsa_cases import DTYPES, assert_spec_close, build_paged_cache, make_co
 
 from sparsekv import mla_sparse_attention_paged
 from sparsekv.kernels.cpu import mla as cpu_mla
+from sparsekv.kernels.cpu._parallel import numba_threads
 from sparsekv.kernels.reference import mla as ref_mla
 
 DTYPE_IDS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -80,6 +81,32 @@ def check_backend_against_reference(fn, dtype, cases, seed):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
 def test_cpu_matches_reference(dtype):
     check_backend_against_reference(cpu_mla.mla_sparse_attention_paged, dtype, 10, random.randrange(1 << 30))
+
+
+def test_cpu_bits_do_not_depend_on_threads_head_chunks_or_batch(monkeypatch):
+    """Each head's arithmetic is fixed: any thread count, head chunking or batch split gives the same bits."""
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    case = random_case(rng, rng.choice(DTYPES))
+    while case["q"].shape[0] == 0:
+        case = random_case(rng, rng.choice(DTYPES))
+    case["q"] = torch.randn(case["q"].shape[0], 37, case["q"].shape[2]).to(case["q"].dtype)
+    want_out, want_lse = run_kernel(cpu_mla.mla_sparse_attention_paged, case)
+    for threads, heads_per_task in ((1, 16), (2, 32), (2, 37)):
+        monkeypatch.setattr(cpu_mla, "threads_for", lambda work, n=threads: numba_threads(n))
+        monkeypatch.setattr(cpu_mla, "_heads_per_task", lambda total_q, q_heads, h=heads_per_task: h)
+        out, lse = run_kernel(cpu_mla.mla_sparse_attention_paged, case)
+        assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    offsets = case["offsets"].tolist()
+    for b in range(len(offsets) - 1):  # each row alone, as a batch of one sequence
+        for r in range(offsets[b], offsets[b + 1]):
+            alone = dict(case, q=case["q"][r : r + 1], indices=case["indices"][r : r + 1],
+                         counts=case["counts"][r : r + 1], table=case["table"][b : b + 1],
+                         offsets=torch.tensor([0, 1], dtype=torch.int32))
+            out, lse = run_kernel(cpu_mla.mla_sparse_attention_paged, alone)
+            assert torch.equal(out[0], want_out[r]) and torch.equal(lse[0], want_lse[r])
 
 
 # ---- against dense MLA in HF's expanded form ----------------------------------------
