@@ -227,6 +227,17 @@ def test_duplicates_count_twice_and_lse():
     torch.testing.assert_close(lse[0], torch.logsumexp(logits, dim=1))
 
 
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_no_query_rows(backend, monkeypatch):
+    """A call with sequences but no rows in this call (all decode rows elsewhere) returns empty outputs."""
+    monkeypatch.setenv("SPARSEKV_BACKEND", backend)
+    coll, q, _, _, _ = small_setup()
+    out, lse = mla_sparse_attention_paged(q[:0], coll, 0, torch.zeros(0, 4, dtype=torch.int32),
+                                          torch.zeros(0, dtype=torch.int32), torch.tensor([0, 0, 0]), scale=1.0,
+                                          v_head_dim=10, return_lse=True)
+    assert out.shape == (0, 3, 10) and lse.shape == (0, 3)
+
+
 # ---- out=, strides, errors --------------------------------------------------------
 
 def small_setup():
