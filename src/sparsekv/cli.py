@@ -22,7 +22,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 
-BENCH_FAMILIES = ("qsa", "kpool", "cache", "manager")
+BENCH_FAMILIES = ("qsa", "kpool", "mla", "cache", "manager")
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 
 
