@@ -1,4 +1,4 @@
-"""The ``sparsekv`` command: ``sparsekv demo`` and ``sparsekv bench``.
+"""The ``sparsekv`` command: ``sparsekv demo``, ``sparsekv bench`` and ``sparsekv generate``.
 
 Exit status: 0 on success; 1 when a demo check fails; 2 for a usage,
 config or checkpoint error (the message names the problem). Output paths
@@ -10,6 +10,7 @@ Examples::
     sparsekv demo --requests 2 --context 64 --json
     sparsekv demo --checkpoint ckpt/ --plot decode.png
     sparsekv bench --quick --only qsa,kpool --json bench.json
+    sparsekv generate --model ckpt/ --prompt-tokens 4096 --new-tokens 32   # a local HF checkpoint
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from collections.abc import Sequence
 
 from .integrations.generate import add_generate_arguments
 
-BENCH_FAMILIES = ("qsa", "kpool", "cache", "manager")
+BENCH_FAMILIES = ("qsa", "kpool", "mla", "cache", "manager")
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 
 
