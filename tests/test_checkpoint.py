@@ -42,12 +42,14 @@ def _seeded_qwen_tensors(config: Qwen4ExpConfig) -> dict[str, torch.Tensor]:
 # ---------------------------------------------------------------------------
 # configs
 # ---------------------------------------------------------------------------
-def test_default_configs_are_the_real_models():
-    qwen = Qwen4ExpConfig()
-    assert (qwen.hidden_size, qwen.num_attention_heads, qwen.num_key_value_heads, qwen.head_dim) == (2560, 24, 2, 256)
-    assert qwen.rotary_dim == 64 and qwen.budget_blocks == 512
+def test_spec_real_models_in_sparsekv_form():
+    qwen = load_config({"model_type": "qwen4_exp", "hidden_size": 2560, "num_hidden_layers": 48,
+                        "num_attention_heads": 24, "head_dim": 256, "partial_rotary_factor": 0.25, "rope_theta": 1e7,
+                        "indexer_n_heads": 4, "indexer_head_dim": 128, "indexer_compress_ratio": 4,
+                        "indexer_budget": 2048})
+    assert qwen.rotary_dim == 64 and qwen.budget_blocks == 512 and qwen.indexer_kv_heads == 1
     assert qwen.qsa_layers == tuple(range(3, 48, 4))
-    glm = Glm5NextConfig()
+    glm = load_config({"model_type": "glm5_next", "index_kpool": 4})  # SPEC 3's k-pool; the rest HF's defaults
     assert glm.index_layers == tuple(range(3, 45, 4)) and glm.topk_pools == 512
 
 

@@ -17,7 +17,8 @@ from .checkpoint import (
     save_checkpoint,
     slice_state,
 )
-from .config import Glm5NextConfig, ModelConfig, Qwen4ExpConfig, config_from_dict, load_config, save_config
+from .config import (DeepseekV32Config, Glm5NextConfig, GlmMoeDsaConfig, MlaConfig, ModelConfig, Qwen4ExpConfig,
+                     config_from_dict, load_config, save_config)
 from .kpool import Glm5NextIndexerSlice, KPoolIndexer, KPoolIndexerLayer, KPoolResult, RMSNorm
 from .qsa import (
     QSAAttention,
@@ -32,11 +33,14 @@ from .qsa import (
 
 __all__ = [
     "CheckpointReader",
+    "DeepseekV32Config",
     "Glm5NextConfig",
     "Glm5NextIndexerSlice",
+    "GlmMoeDsaConfig",
     "KPoolIndexer",
     "KPoolIndexerLayer",
     "KPoolResult",
+    "MlaConfig",
     "ModelConfig",
     "QSAAttention",
     "QSAIndexer",
