@@ -200,12 +200,12 @@ def test_kpool_selection_matches_dense_oracle():
     q = (latent @ w["indexer.wq_b.weight"].T).reshape(-1, heads, dim)
     keys = torch.nn.functional.layer_norm(x @ w["indexer.wk.weight"].T, (dim,), w["indexer.k_norm.weight"],
                                           w["indexer.k_norm.bias"], 1e-6)
-    gates = x @ w["indexer.gate_proj.weight"].T
+    gates = x @ w["indexer.index_kpool_compress_gate"].T
     head_weights = (x @ w["indexer.weights_proj.weight"].T) * heads ** -0.5 * dim ** -0.5
     torch.testing.assert_close(result.head_weights, head_weights, rtol=1e-5, atol=1e-6)
     # Pools: per-channel softmax of gate + ape over each pool's members (SPEC 3.1).
     members = keys[: (29 // kpool) * kpool].reshape(-1, kpool, dim)
-    logits = gates[: (29 // kpool) * kpool].reshape(-1, kpool, dim) + w["indexer.ape"][None]
+    logits = gates[: (29 // kpool) * kpool].reshape(-1, kpool, dim) + w["indexer.index_kpool_compress_ape"][None]
     pooled = (logits.softmax(dim=1) * members).sum(dim=1)
     torch.testing.assert_close(stored, pooled, rtol=1e-5, atol=1e-6)
     # Scores and top-k expansion (SPEC 3.3).
@@ -223,5 +223,5 @@ def test_kpool_selection_matches_dense_oracle():
 
 def test_kpool_ape_stays_float32_in_a_bf16_model():
     slice_ = Glm5NextIndexerSlice(GLM, 16, dtype=torch.bfloat16)
-    assert slice_.layers[0].indexer.ape.dtype == torch.float32
+    assert slice_.layers[0].indexer.index_kpool_compress_ape.dtype == torch.float32
     assert slice_.layers[0].indexer.wk.weight.dtype == torch.bfloat16
