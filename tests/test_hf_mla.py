@@ -29,15 +29,16 @@ MLA = dict(hidden_size=40, num_attention_heads=4, num_key_value_heads=4, q_lora_
 TOKENS = 37
 SCHEDULES = {"one-shot": [TOKENS], "chunked-then-decode": [6, 9, 3, 13, 1, 1, 1, 1, 1, 1]}
 PAGE = 8
+BF16_RTOL = 1e-2  # measured 2.5e-3 .. 4.2e-3: HF rounds to bf16 after each op (docs/spec-notes.md)
 
 
-def _hf_model(family: str, shared: bool):
+def _hf_model(family: str, shared: bool, tail: bool = True):
     """A tiny HF model whose layers 0 and 1 are MLA attention (layer 1 shared when asked)."""
     kinds = ["full", "shared"] if shared else ["full", "full"]
     if family == "glm5_next":
         config = transformers.Glm5NextTextConfig(
             **dict(MLA, index_head_dim=12), num_hidden_layers=2, layer_types=["indexed_attention"] * 2,
-            indexer_types=kinds, index_topk=12, index_kpool=4, index_kpool_always_select_tail=True,
+            indexer_types=kinds, index_topk=12, index_kpool=4, index_kpool_always_select_tail=tail,
             linear_head_dim=8, linear_num_heads=2, hc_mult=2, pad_token_id=0)
         model = transformers.Glm5NextTextModel(config)
     elif family == "glm_moe_dsa":
@@ -126,8 +127,9 @@ def _run_ours(model, reader, family: str, hidden: torch.Tensor, chunks: list[int
     return config, run_schedule(manager, chunks, step)
 
 
-def _check_family(tmp_path, family: str, shared: bool, chunks: list[int], dtype=torch.float32, mode="absorbed"):
-    model = _hf_model(family, shared)
+def _check_family(tmp_path, family: str, shared: bool, chunks: list[int], dtype=torch.float32, mode="absorbed",
+                  tail: bool = True):
+    model = _hf_model(family, shared, tail)
     reader = save_and_reload(model, tmp_path / family)
     if dtype != torch.float32:  # HF's own 16-bit load (keeps indexer.weights_proj float32 where HF does)
         model = type(model).from_pretrained(tmp_path / family, dtype=dtype)
@@ -147,14 +149,17 @@ def _check_family(tmp_path, family: str, shared: bool, chunks: list[int], dtype=
             for t in range(TOKENS):
                 theirs = [i for i in hf_sel[layer][t].tolist() if 0 <= i <= t]
                 mine = indices[t, :int(counts[t])].tolist()
-                same = compare_selection(mine, theirs, scores[t], config.index_kpool)
+                same = compare_selection(mine, theirs, scores[t], config.index_kpool,
+                                         rtol=1e-6 if dtype == torch.float32 else 1e-5)
                 equal_rows.append(same)
             ties += equal_rows.count(False)
-        keep = torch.tensor(equal_rows)  # a shared layer reads the previous full layer's selection
+        # (a shared layer reads the previous full layer's selection.) A row that selects nothing is an exact
+        # zero row in sparsekv (SPEC 3.4); HF's eager softmax over an all-masked row averages every key.
+        keep = torch.tensor(equal_rows) & (counts > 0)
         if dtype == torch.float32:
             assert relative_error(ours[keep], hf_out[layer][keep]) <= FP32_RTOL, (family, layer)
         else:
-            assert relative_error(ours[keep], hf_out[layer][keep]) <= 2e-2, (family, layer)
+            assert relative_error(ours[keep], hf_out[layer][keep]) <= BF16_RTOL, (family, layer)
     assert ties <= 2, f"{ties} rows differ by exact ties"
     return steps
 
@@ -169,10 +174,20 @@ def test_fp32_parity_with_hf(tmp_path, family, chunks):
     assert int(counts.max()) < TOKENS - 10
 
 
-@pytest.mark.parametrize("family", ["glm_moe_dsa", "glm5_next"])
+@pytest.mark.parametrize("family", ["glm_moe_dsa", "deepseek_v32", "glm5_next"])
 def test_bf16_parity_with_hf(tmp_path, family):
     _check_family(tmp_path, family, True, SCHEDULES["chunked-then-decode"], dtype=torch.bfloat16)
 
 
 def test_expanded_mode_equals_hf(tmp_path):
     _check_family(tmp_path, "glm_moe_dsa", True, SCHEDULES["chunked-then-decode"], mode="expanded")
+
+
+def test_glm5_next_without_the_tail(tmp_path):
+    steps = _check_family(tmp_path, "glm5_next", False, SCHEDULES["chunked-then-decode"], tail=False)
+    indices = torch.cat([step[0].indices for step in steps])
+    counts = torch.cat([step[0].counts for step in steps])
+    # only whole pools: every selected token's pool is complete at its row
+    for t in range(TOKENS):
+        assert all((i // 4 + 1) * 4 - 1 <= t for i in indices[t, :int(counts[t])].tolist())
+    assert int(counts[TOKENS - 1]) == 12

@@ -21,8 +21,9 @@ The three families, each as HF's modeling code orders its operations:
   no gate or ape weights, the pooled key is the key itself), RoPE on the
   first ``qk_rope_head_dim`` channels of queries and keys after ``wq_b`` and
   ``k_norm``: interleaved for GLM-5, half-split for DeepSeek-V3.2
-  (``sparsekv.layers.dsa``). ``weights_proj`` stays float32 in a 16-bit
-  model, as HF keeps it (``_keep_in_fp32_modules``).
+  (``sparsekv.layers.dsa``). ``weights_proj`` stays float32 in a float16
+  model, as HF keeps it (``_keep_in_fp32_modules``, which HF applies to
+  float16 only).
 
 Score of pool ``p`` for query ``t``: HF computes ``sum_h w[t,h] * H**-0.5 *
 relu(D**-0.5 * q[t,h] . K_p)``; sparsekv folds both constants into the head
@@ -90,7 +91,7 @@ class KPoolIndexer(nn.Module):
         config: a ``glm5_next``, ``glm_moe_dsa`` or ``deepseek_v32`` config.
         dtype, device: of the weights and of the pooled cache it writes
             (``index_kpool_compress_ape`` is float32, and so is ``weights_proj``
-            for the two ``kpool = 1`` families).
+            of the two ``kpool = 1`` families in a float16 model).
 
     Call with the layer input ``hidden_states [T, hidden]``, the MLA query
     latent ``q_latent [T, q_lora_rank]``, a ragged batch (``input_row_offsets``,
@@ -117,7 +118,9 @@ class KPoolIndexer(nn.Module):
         self.wk = _linear(hidden, self.head_dim, False, dtype, device)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=config.index_norm_eps, dtype=dtype, device=device)
         self.k_norm.requires_grad_(False)
-        weights_dtype = dtype if isinstance(config, Glm5NextConfig) else torch.float32
+        # HF keeps weights_proj float32 in a float16 model of the kpool = 1 families (not in bf16, not GLM-5-Next)
+        fp16 = dtype == torch.float16 and not isinstance(config, Glm5NextConfig)
+        weights_dtype = torch.float32 if fp16 else dtype
         self.weights_proj = _linear(hidden, self.n_heads, False, weights_dtype, device)
         if config.has_kpool_weights:
             self.index_kpool_compress_gate = nn.Parameter(
