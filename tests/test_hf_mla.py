@@ -21,7 +21,8 @@ from hf_parity import (FP32_RTOL, causal_float_mask, compare_selection, hidden_i
                        load_into, prefix_of, relative_error, run_schedule, save_and_reload, seed_hf_model)
 
 from sparsekv.cache.manager import PagedKVCacheManager  # noqa: E402
-from sparsekv.layers import MlaSparseAttention, load_config, mla_cache_groups  # noqa: E402
+from sparsekv.layers import (Glm5NextIndexerSlice, MlaSlice, MlaSparseAttention, load_config,  # noqa: E402
+                             load_slice_weights, mla_cache_groups, open_checkpoint)
 
 MLA = dict(hidden_size=40, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=20,
            qk_nope_head_dim=12, v_head_dim=10, index_n_heads=8, index_head_dim=16, intermediate_size=16,
@@ -191,3 +192,22 @@ def test_glm5_next_without_the_tail(tmp_path):
     for t in range(TOKENS):
         assert all((i // 4 + 1) * 4 - 1 <= t for i in indices[t, :int(counts[t])].tolist())
     assert int(counts[TOKENS - 1]) == 12
+
+
+@pytest.mark.parametrize("family", ["glm5_next", "glm_moe_dsa"])
+def test_slices_load_hf_checkpoints(tmp_path, family):
+    """``MlaSlice`` and ``Glm5NextIndexerSlice`` find HF's root (``layers.`` / ``model.layers.``) and load every weight."""
+    model = _hf_model(family, shared=True)
+    reader = save_and_reload(model, tmp_path / family)
+    config, _ = open_checkpoint(tmp_path / family)
+    slice_ = MlaSlice(config, MLA["vocab_size"])
+    names = load_slice_weights(slice_, reader)
+    root = "" if family == "glm5_next" else "model."
+    assert f"{root}layers.1.self_attn.kv_b_proj.weight" in names
+    assert not any("layers.1.self_attn.indexer" in name for name in names)  # layer 1 is shared
+    hf_state = model.state_dict()
+    for name in names:
+        assert torch.equal(reader.get(name), hf_state[name]), name
+    indexers = Glm5NextIndexerSlice(config, MLA["vocab_size"])
+    load_slice_weights(indexers, reader)
+    assert torch.equal(indexers.layers[0].indexer.wk.weight, slice_.attentions[0].indexer.wk.weight)
