@@ -145,6 +145,7 @@ def test_sparsekv_form_round_trips(tmp_path):
 @pytest.mark.parametrize("data, message", [
     (dict(DSA, model_type="deepseek_v32", rope_parameters={"rope_type": "yarn", "factor": 40}), "yarn"),
     (dict(DSA, model_type="deepseek_v32", index_kpool=4), "'index_kpool' is not a known deepseek_v32 key"),
+    (dict(DSA, model_type="deepseek_v32", indexer_types=["full", "shared", "full"]), "no shared layers"),
     (dict(DSA, model_type="glm_moe_dsa", indexer_types=["shared", "full", "full"]), "first indexed layer"),
     (dict(DSA, model_type="glm_moe_dsa", layer_types=["indexed_attention"]), "'layer_types'"),
     (dict(DSA, model_type="glm_moe_dsa", num_key_value_heads=2), "num_key_value_heads"),

@@ -196,7 +196,7 @@ def test_glm5_next_without_the_tail(tmp_path):
 
 @pytest.mark.parametrize("family", ["glm5_next", "glm_moe_dsa"])
 def test_slices_load_hf_checkpoints(tmp_path, family):
-    """``MlaSlice`` and ``Glm5NextIndexerSlice`` find HF's root (``layers.`` / ``model.layers.``) and load every weight."""
+    """``MlaSlice`` and ``Glm5NextIndexerSlice`` find HF's root (``layers.`` / ``model.layers.``), load every weight."""
     model = _hf_model(family, shared=True)
     reader = save_and_reload(model, tmp_path / family)
     config, _ = open_checkpoint(tmp_path / family)

@@ -236,5 +236,5 @@ def slice_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-__all__ = ["CHECKPOINT_ROOTS", "CheckpointReader", "checkpoint_root", "load_module_weights", "load_slice_weights", "module_state", "open_checkpoint",
-           "save_checkpoint", "slice_state"]
+__all__ = ["CHECKPOINT_ROOTS", "CheckpointReader", "checkpoint_root", "load_module_weights", "load_slice_weights",
+           "module_state", "open_checkpoint", "save_checkpoint", "slice_state"]

@@ -333,7 +333,8 @@ class _MlaConfig:
         _check_bool("attention_bias", self.attention_bias)
         if self.num_key_value_heads != self.num_attention_heads:
             raise ValueError(f"config: MLA reads one latent for all heads, so num_key_value_heads "
-                             f"({self.num_key_value_heads}) must equal num_attention_heads ({self.num_attention_heads})")
+                             f"({self.num_key_value_heads}) must equal num_attention_heads "
+                             f"({self.num_attention_heads})")
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"config key 'qk_rope_head_dim': expected an even number, got {self.qk_rope_head_dim}")
         if self.indexer_rope != "none" and self.qk_rope_head_dim > self.index_head_dim:
@@ -504,6 +505,12 @@ class DeepseekV32Config(_MlaConfig):
     v_head_dim: int = 128
     rms_norm_eps: float = 1e-6
     index_n_heads: int = 64
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if "shared" in self.indexer_types:
+            raise ValueError("config key 'indexer_types': DeepSeek-V3.2 runs the indexer in every layer "
+                             "(HF's deepseek_v32 has no shared layers)")
 
 
 MlaConfig = Glm5NextConfig | GlmMoeDsaConfig | DeepseekV32Config
