@@ -227,6 +227,17 @@ def test_duplicates_count_twice_and_lse():
     torch.testing.assert_close(lse[0], torch.logsumexp(logits, dim=1))
 
 
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_no_query_rows(backend, monkeypatch):
+    """A call with sequences but no rows in this call (all decode rows elsewhere) returns empty outputs."""
+    monkeypatch.setenv("SPARSEKV_BACKEND", backend)
+    coll, q, _, _, _ = small_setup()
+    out, lse = mla_sparse_attention_paged(q[:0], coll, 0, torch.zeros(0, 4, dtype=torch.int32),
+                                          torch.zeros(0, dtype=torch.int32), torch.tensor([0, 0, 0]), scale=1.0,
+                                          v_head_dim=10, return_lse=True)
+    assert out.shape == (0, 3, 10) and lse.shape == (0, 3)
+
+
 # ---- out=, strides, errors --------------------------------------------------------
 
 def small_setup():
@@ -314,6 +325,10 @@ def test_every_public_error():
         (ValueError, "input_row_offsets: expected shape \\(3,\\)", {"input_row_offsets": torch.tensor([0, 2])}),
         (ValueError, "input_row_offsets: last offset 3 must equal the 2 query rows",
          {"input_row_offsets": torch.tensor([0, 1, 3])}),
+        (ValueError, "input_row_offsets: expected offsets\\[0\\] == 0, got 1",
+         {"input_row_offsets": torch.tensor([1, 1, 2])}),
+        (ValueError, "input_row_offsets: expected non-decreasing offsets",
+         {"input_row_offsets": torch.tensor([0, 3, 2])}),
         (ValueError, "row 1, entry 1 holds position -1", {"indices": torch.tensor([[0, 1, 2], [3, -1, 5]])}),
         (ValueError, "row 0, entry 0 holds position 6, outside \\[0, 6\\)",
          {"indices": torch.tensor([[6, 1, 2], [3, 4, 5]])}),
