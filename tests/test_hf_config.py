@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import warnings
 
 import pytest
@@ -134,6 +135,16 @@ def test_dsa_configs(tmp_path, family, strip):
     assert config.latent_eps == 1e-6  # HF builds q_a_layernorm / kv_a_layernorm with their default eps
 
 
+def test_deepseek_v32_yarn_config(tmp_path):
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
+            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}  # DeepSeek-V3.2's published values
+    config = load_config(_saved(tmp_path, transformers.DeepseekV32Config(**dict(DSA, rope_parameters=yarn))))
+    assert dict(config.rope_yarn)["factor"] == 40.0 and config.rope_theta == 10000.0
+    assert config.softmax_scale == pytest.approx(config.qk_head_dim ** -0.5 * (0.1 * math.log(40.0) + 1) ** 2)
+    save_config(config, tmp_path / "config.json")
+    assert load_config(tmp_path) == config
+
+
 def test_sparsekv_form_round_trips(tmp_path):
     for config in (load_config(dict(GLM5_TEXT, model_type="glm5_next")),
                    load_config(dict(DSA, model_type="glm_moe_dsa", indexer_types=["full", "shared", "shared"])),
@@ -143,7 +154,12 @@ def test_sparsekv_form_round_trips(tmp_path):
 
 
 @pytest.mark.parametrize("data, message", [
-    (dict(DSA, model_type="deepseek_v32", rope_parameters={"rope_type": "yarn", "factor": 40}), "yarn"),
+    (dict(DSA, model_type="deepseek_v32", rope_parameters={"rope_type": "longrope"}), "'longrope' is not supported"),
+    (dict(DSA, model_type="deepseek_v32", rope_parameters={"rope_type": "yarn", "factor": 40}),
+     "YaRN needs 'original_max_position_embeddings'"),
+    (dict(QWEN_TEXT, model_type="qwen4_exp_text", rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                                                   "original_max_position_embeddings": 16}),
+     "'yarn' is not supported"),
     (dict(DSA, model_type="deepseek_v32", index_kpool=4), "'index_kpool' is not a known deepseek_v32 key"),
     (dict(DSA, model_type="deepseek_v32", indexer_types=["full", "shared", "full"]), "no shared layers"),
     (dict(DSA, model_type="glm_moe_dsa", indexer_types=["shared", "full", "full"]), "first indexed layer"),

@@ -33,7 +33,12 @@ PAGE = 8
 BF16_RTOL = 1e-2  # measured 2.5e-3 .. 4.2e-3: HF rounds to bf16 after each op (docs/spec-notes.md)
 
 
-def _hf_model(family: str, shared: bool, tail: bool = True):
+DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 1000.0}
+YARN = {"rope_type": "yarn", "rope_theta": 1000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+        "beta_fast": 8, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8}
+
+
+def _hf_model(family: str, shared: bool, tail: bool = True, rope: dict = DEFAULT_ROPE):
     """A tiny HF model whose layers 0 and 1 are MLA attention (layer 1 shared when asked)."""
     kinds = ["full", "shared"] if shared else ["full", "full"]
     if family == "glm5_next":
@@ -44,13 +49,11 @@ def _hf_model(family: str, shared: bool, tail: bool = True):
         model = transformers.Glm5NextTextModel(config)
     elif family == "glm_moe_dsa":
         config = transformers.GlmMoeDsaConfig(**MLA, num_hidden_layers=2, qk_rope_head_dim=8, index_topk=9,
-                                              first_k_dense_replace=2, indexer_types=kinds,
-                                              rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
+                                              first_k_dense_replace=2, indexer_types=kinds, rope_parameters=rope)
         model = transformers.GlmMoeDsaForCausalLM(config)
     else:
         config = transformers.DeepseekV32Config(**MLA, num_hidden_layers=2, qk_rope_head_dim=8, index_topk=9,
-                                                first_k_dense_replace=2, n_group=1, topk_group=1,
-                                                rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
+                                                first_k_dense_replace=2, n_group=1, topk_group=1, rope_parameters=rope)
         model = transformers.DeepseekV32ForCausalLM(config)
     model.set_attn_implementation("eager")
     seed_hf_model(model, seed=7)
@@ -129,8 +132,8 @@ def _run_ours(model, reader, family: str, hidden: torch.Tensor, chunks: list[int
 
 
 def _check_family(tmp_path, family: str, shared: bool, chunks: list[int], dtype=torch.float32, mode="absorbed",
-                  tail: bool = True):
-    model = _hf_model(family, shared, tail)
+                  tail: bool = True, rope: dict = DEFAULT_ROPE):
+    model = _hf_model(family, shared, tail, rope)
     reader = save_and_reload(model, tmp_path / family)
     if dtype != torch.float32:  # HF's own 16-bit load (keeps indexer.weights_proj float32 where HF does)
         model = type(model).from_pretrained(tmp_path / family, dtype=dtype)
@@ -182,6 +185,14 @@ def test_bf16_parity_with_hf(tmp_path, family):
 
 def test_expanded_mode_equals_hf(tmp_path):
     _check_family(tmp_path, "glm_moe_dsa", True, SCHEDULES["chunked-then-decode"], mode="expanded")
+
+
+@pytest.mark.parametrize("family", ["glm_moe_dsa", "deepseek_v32"])
+def test_yarn_parity_with_hf(tmp_path, family):
+    steps = _check_family(tmp_path, family, False, SCHEDULES["chunked-then-decode"], rope=YARN)
+    config = load_config(dict(MLA, model_type=family, num_hidden_layers=2, qk_rope_head_dim=8, rope_parameters=YARN))
+    assert config.softmax_scale == pytest.approx(20 ** -0.5 * (0.1 * 0.8 * 1.3862943611198906 + 1) ** 2)
+    assert len(steps) == len(SCHEDULES["chunked-then-decode"])
 
 
 def test_glm5_next_without_the_tail(tmp_path):

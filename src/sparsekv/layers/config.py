@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import warnings
 from dataclasses import dataclass
@@ -148,21 +149,41 @@ def _indexed_layers_from_types(layer_types: Any, num_layers: int) -> list[int]:
     return [i for i, kind in enumerate(layer_types) if kind in _INDEXED_LAYER_TYPES]
 
 
-def _rope_from_parameters(params: Any, *, key: str = "rope_parameters") -> dict[str, Any]:
-    """``rope_theta`` / ``partial_rotary_factor`` out of HF's ``rope_parameters`` (default RoPE only)."""
+# YaRN entries of HF's rope_parameters (glm_moe_dsa / deepseek_v32 only).
+_YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+              "attention_factor", "truncate")
+
+
+def _rope_from_parameters(params: Any, *, key: str = "rope_parameters", yarn: bool = False) -> dict[str, Any]:
+    """``rope_theta`` / ``partial_rotary_factor`` (and ``rope_yarn``) out of HF's ``rope_parameters``.
+
+    The default RoPE everywhere; YaRN where ``yarn`` (the MLA families with RoPE).
+    """
     if params is None:
         return {}
     if not isinstance(params, dict):
         raise ValueError(f"config key {key!r}: expected an object, got {params!r}")
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"config key {key!r}: rope_type {rope_type!r} is not supported (only 'default')")
+    supported = ("default", "yarn") if yarn else ("default",)
+    if rope_type not in supported:
+        raise ValueError(f"config key {key!r}: rope_type {rope_type!r} is not supported (only "
+                         f"{' or '.join(repr(t) for t in supported)})")
     known = {"rope_type", "type", "rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved"}
+    if rope_type == "yarn":
+        known |= set(_YARN_KEYS)
     unknown = sorted(set(params) - known)
     if unknown:
         raise ValueError(f"config key {key!r}: unknown entries {unknown}")
     # mrope sections differ only for image/video positions; text positions are equal in every section.
-    return {name: params[name] for name in ("rope_theta", "partial_rotary_factor") if name in params}
+    found = {name: params[name] for name in ("rope_theta", "partial_rotary_factor") if name in params}
+    if rope_type == "yarn":
+        found["rope_yarn"] = tuple(sorted((name, params[name]) for name in _YARN_KEYS if name in params))
+    return found
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction ``0.1 * mscale * ln(factor) + 1`` (1 for ``factor <= 1``)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def _indexer_types_from_schedule(pattern: Any, freq: Any, offset: Any, num_layers: int) -> list[str]:
@@ -314,6 +335,8 @@ class _MlaConfig:
     rms_norm_eps: float = 1e-6
     attention_bias: bool = False
     rope_theta: float = 10000.0
+    #: YaRN entries of ``rope_parameters`` as sorted ``(name, value)`` pairs; ``None``: the default RoPE
+    rope_yarn: tuple[tuple[str, Any], ...] | None = None
     index_n_heads: int = 0
     index_head_dim: int = 128
     index_topk: int = 2048
@@ -337,6 +360,18 @@ class _MlaConfig:
                              f"({self.num_attention_heads})")
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"config key 'qk_rope_head_dim': expected an even number, got {self.qk_rope_head_dim}")
+        if self.rope_yarn is not None:
+            if self.indexer_rope == "none":
+                raise ValueError(f"config key 'rope_parameters': {self.model_type} is NoPE, YaRN does not apply")
+            yarn = dict(self.rope_yarn)
+            unknown = sorted(set(yarn) - set(_YARN_KEYS))
+            if unknown:
+                raise ValueError(f"config key 'rope_parameters': unknown YaRN entries {unknown}")
+            for name in ("factor", "original_max_position_embeddings"):
+                if yarn.get(name) is None:
+                    raise ValueError(f"config key 'rope_parameters': YaRN needs {name!r}")
+                _check_positive_float(f"rope_parameters.{name}", yarn[name])
+            object.__setattr__(self, "rope_yarn", tuple(sorted(yarn.items())))
         if self.indexer_rope != "none" and self.qk_rope_head_dim > self.index_head_dim:
             raise ValueError(f"config: qk_rope_head_dim ({self.qk_rope_head_dim}) must be <= index_head_dim "
                              f"({self.index_head_dim}): the indexer rotates its first qk_rope_head_dim channels")
@@ -376,8 +411,12 @@ class _MlaConfig:
 
     @property
     def softmax_scale(self) -> float:
-        """The attention's ``qk_head_dim ** -0.5`` (default RoPE: no mscale)."""
-        return self.qk_head_dim ** -0.5
+        """The attention's ``qk_head_dim ** -0.5``, times ``yarn_mscale(factor, mscale_all_dim) ** 2`` under YaRN."""
+        scale = self.qk_head_dim ** -0.5
+        yarn = dict(self.rope_yarn or ())
+        if yarn.get("mscale_all_dim"):
+            scale *= yarn_mscale(yarn["factor"], yarn["mscale_all_dim"]) ** 2
+        return scale
 
     @property
     def latent_eps(self) -> float:
@@ -585,11 +624,10 @@ def config_from_dict(data: dict[str, Any]) -> ModelConfig:
             continue
         if key == "layer_types" and value is not None:
             layer_types = value
-        elif key == "rope_parameters" and family != "glm5_next":
-            for name, entry in _rope_from_parameters(value).items():
+        elif key in ("rope_parameters", "rope_scaling") and family != "glm5_next":
+            yarn = family in ("glm_moe_dsa", "deepseek_v32")
+            for name, entry in _rope_from_parameters(value, key=key, yarn=yarn).items():
                 put(name, entry, key)
-        elif key == "rope_scaling" and value is not None and family != "glm5_next":
-            _rope_from_parameters(value, key=key)
         elif family == "qwen4_exp" and key == "full_attention_interval":
             put("qsa_layer_interval", value, key)
         elif family in ("glm5_next", "glm_moe_dsa") and key in _INDEXER_SCHEDULE_KEYS:

@@ -49,7 +49,7 @@ from ..cache.layout import PagedKVCacheCollection
 from ..cache.pooled import kpool_indexer_step
 from ..ops.kpool import mla_kpool_expand_topk, mla_kpool_score
 from .config import Glm5NextConfig, MlaConfig
-from .dsa import apply_rope, rope_cos_sin
+from .dsa import apply_rope, rope_cos_sin, rope_inv_freq
 from .qsa import StageTimerLike, _linear, batch_positions, no_timer
 
 
@@ -112,7 +112,9 @@ class KPoolIndexer(nn.Module):
         self.always_select_tail = bool(config.index_kpool_always_select_tail)
         self.rope_layout = config.indexer_rope
         self.rope_dim = config.qk_rope_head_dim if self.rope_layout != "none" else 0
-        self.rope_theta = config.rope_theta
+        inv_freq, self.rope_attention_factor = rope_inv_freq(max(self.rope_dim, 2), config.rope_theta,
+                                                             dict(config.rope_yarn or ()), device)
+        self.register_buffer("rope_inv_freq", inv_freq, persistent=False)
         hidden = config.hidden_size
         self.wq_b = _linear(config.q_lora_rank, self.n_heads * self.head_dim, False, dtype, device)
         self.wk = _linear(hidden, self.head_dim, False, dtype, device)
@@ -155,7 +157,7 @@ class KPoolIndexer(nn.Module):
         if self.rope_dim:
             if positions is None:
                 raise ValueError("positions: required by an indexer with RoPE")
-            cos, sin = rope_cos_sin(positions, self.rope_dim, self.rope_theta, q.dtype)
+            cos, sin = rope_cos_sin(positions, self.rope_inv_freq, self.rope_attention_factor, q.dtype)
             r = self.rope_dim
             q = torch.cat([apply_rope(q[..., :r], cos, sin, self.rope_layout), q[..., r:]], dim=-1)
             keys = torch.cat([apply_rope(keys[:, :r], cos, sin, self.rope_layout), keys[:, r:]], dim=-1)

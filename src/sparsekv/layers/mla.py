@@ -23,7 +23,8 @@ One call, for a ragged batch (the order of HF's modeling code):
    cache (one head of ``kv_lora_rank + qk_rope_head_dim`` channels, ``KV = 1``);
 5. the selection: this layer's indexer, or (a ``"shared"`` layer) the
    selection of the previous full layer, passed in;
-6. attention over the selected latent rows, softmax scale ``qk_head_dim**-0.5``:
+6. attention over the selected latent rows, softmax scale ``qk_head_dim**-0.5``
+   (times YaRN's ``mscale_all_dim`` correction squared, as HF):
 
    * ``"absorbed"`` (decode): ``q_lat = [q_nope @ W_uk, q_rope]`` per head (W_uk
      = the key half of ``kv_b_proj``, float32 math, cast), then
@@ -47,7 +48,7 @@ from torch import nn
 from ..cache.layout import PagedKVCacheCollection
 from ..ops.mla import mla_sparse_attention_paged
 from .config import MlaConfig
-from .dsa import apply_rope, rope_cos_sin
+from .dsa import apply_rope, rope_cos_sin, rope_inv_freq
 from .kpool import KPoolIndexer, KPoolResult, RMSNorm
 from .qsa import StageTimerLike, _linear, batch_positions, no_timer
 
@@ -109,6 +110,9 @@ class MlaSparseAttention(nn.Module):
         self.kv_b_proj = _linear(config.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_head_dim), False,
                                  dtype, device)
         self.o_proj = _linear(self.num_heads * self.v_head_dim, hidden, bias, dtype, device)
+        inv_freq, self.rope_attention_factor = rope_inv_freq(max(self.rope_dim, 2), config.rope_theta,
+                                                             dict(config.rope_yarn or ()), device)
+        self.register_buffer("rope_inv_freq", inv_freq, persistent=False)
         shared = config.indexer_types[layer_id] == "shared"
         self.indexer = None if shared else KPoolIndexer(config, dtype=dtype, device=device)
 
@@ -144,7 +148,7 @@ class MlaSparseAttention(nn.Module):
             kv_pass, k_rope = compressed[:, :self.kv_lora_rank], compressed[:, self.kv_lora_rank:]
             latent_c = self.kv_a_layernorm(kv_pass)
             if self.rope_dim:
-                cos, sin = rope_cos_sin(positions, self.rope_dim, self.config.rope_theta, q.dtype)
+                cos, sin = rope_cos_sin(positions, self.rope_inv_freq, self.rope_attention_factor, q.dtype)
                 q_rope = apply_rope(q_rope, cos, sin, "interleave")
                 k_rope = apply_rope(k_rope, cos, sin, "interleave")
             latent = torch.cat([latent_c, k_rope], dim=-1)
