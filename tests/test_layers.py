@@ -288,3 +288,10 @@ def test_mla_layer_errors():
     with pytest.raises(ValueError, match="ring"):
         indexer(torch.zeros(2, GLM.hidden_size), input_row_offsets=batch.input_row_offsets,
                 cache_lengths=batch.cache_lengths, ring=None, slot_ids=None, pooled_cache=None, cache_layer=0)
+
+
+def test_weights_proj_dtype_follows_hf_loading():
+    # HF keeps indexer.weights_proj float32 in float16 models of the kpool = 1 families only
+    assert MlaSparseAttention(DSA, 0, dtype=torch.float16).indexer.weights_proj.weight.dtype == torch.float32
+    assert MlaSparseAttention(DSA, 0, dtype=torch.bfloat16).indexer.weights_proj.weight.dtype == torch.bfloat16
+    assert KPoolIndexerLayer(GLM, dtype=torch.float16).indexer.weights_proj.weight.dtype == torch.float16
