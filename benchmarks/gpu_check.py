@@ -417,7 +417,70 @@ class Checker:
                 ("kpool_compress", self.kpool_compress),
                 ("kpool_ring", lambda: self.kpool_ring(b0)),
                 ("kpool_expand_topk", lambda: self.select(b0, ctx0, kp["kpool"], kp["topk"], "mla_kpool_expand_topk"))]
+        out += mla_attention_cases(self)
         return out
+
+
+# ---- sparse MLA attention (SPEC 3.4) ---------------------------------------------
+# GLM-5 decode: 128 query heads over latent rows of kv_lora_rank 512 + rope 64, top-k 2048, page 64
+# (FlashMLA's page size); tiny shapes when the interpreter runs the script on a CPU.
+MLA_SHAPES = {"real": {"heads": 128, "rank": 512, "rope": 64, "topk": 2048, "page": 64, "qk_head_dim": 192},
+              "smoke": {"heads": 8, "rank": 64, "rope": 16, "topk": 32, "page": 16, "qk_head_dim": 48}}
+
+
+def mla_attention_cases(checker: Checker) -> list[tuple[str, Callable[[], Result]]]:
+    """One sparse MLA decode case per decode shape of the profile: Triton against the reference (first
+    ``REF_ROW_LIMIT`` rows), timed next to a copy of its payload and dense absorbed MLA over the whole history."""
+    from sparsekv.kernels.reference import mla as ref_mla
+    from sparsekv.kernels.triton import mla as tri_mla
+
+    s = MLA_SHAPES["smoke" if checker.device.type == "cpu" else "real"]
+    width = s["rank"] + s["rope"]
+
+    def decode(batch: int, ctx: int) -> Result:
+        x = checker.inputs()
+        blocks, table = x.paged(batch, ctx, s["page"], 1, 1, width)
+        chosen = torch.rand(batch, ctx, generator=x.gen, device=checker.device).topk(s["topk"]).indices
+        indices = chosen.sort(dim=1).values.to(torch.int32)
+        counts = torch.full((batch,), s["topk"], dtype=torch.int32, device=checker.device)
+        q = x.randn(batch, s["heads"], width)
+        offsets = x.i32(list(range(batch + 1)))
+        scale = s["qk_head_dim"] ** -0.5
+
+        def run(module, out, lse, rows=batch):
+            module.mla_sparse_attention_paged(out, lse, q[:rows], blocks, table[:rows], indices[:rows],
+                                              counts[:rows], offsets[: rows + 1], 0, scale)
+
+        def outputs(rows):
+            return (torch.full((rows, s["heads"], s["rank"]), float("nan"), dtype=checker.dtype,
+                               device=checker.device),
+                    torch.full((rows, s["heads"]), float("nan"), device=checker.device))
+
+        check_rows = min(batch, REF_ROW_LIMIT)
+        expected, actual = outputs(check_rows), outputs(check_rows)
+        run(ref_mla, *expected, rows=check_rows)
+        run(tri_mla, *actual, rows=check_rows)
+        full = outputs(batch)
+        moved = payload(batch * s["topk"] * width * 2 + nbytes(q, indices), nbytes(full[0]))
+        latent = x.randn(batch, ctx, width)  # the dense peer's history, contiguous (its best case)
+        q_lat = x.randn(batch, s["heads"], width)
+
+        def dense():
+            torch.softmax(q_lat @ latent.transpose(1, 2) * scale, dim=-1) @ latent[:, :, : s["rank"]]
+
+        peers = {"copy": checker.timed(copy_peer(moved, checker.device)), "dense": checker.timed(dense)}
+        if batch <= REF_ROW_LIMIT:
+            peers["ref"] = checker.timed(lambda: run(ref_mla, *expected), ref=True)
+        row = checker.row("mla_sparse_attention_paged",
+                          f"B={batch} ctx={ctx} topk={s['topk']} heads={s['heads']} D={s['rank']}+{s['rope']}",
+                          lambda: run(tri_mla, *full), moved, peers)
+        target = None
+        if ctx == checker.p["dense_target_ctx"]:
+            speedup = row.ratio("dense")
+            target = (f">={DENSE_TARGET:.0f}x dense: {speedup:.1f}x", speedup >= DENSE_TARGET)
+        return Result(row, check_all(zip(actual, expected)), target)
+
+    return [(f"mla_attention B={b} ctx={ctx}", lambda b=b, c=ctx: decode(b, c)) for b, ctx in checker.p["decode"]]
 
 
 def with_columns(table: str, extra: list[tuple[str, list[str]]]) -> str:

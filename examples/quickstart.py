@@ -1,11 +1,13 @@
-"""sparsekv in one small walk-through: paged storage, the cache manager, QSA and the k-pool indexer.
+"""sparsekv in one small walk-through: paged storage, the cache manager, QSA, the k-pool indexer, sparse MLA.
 
 Run it with ``python examples/quickstart.py`` (a few seconds of CPU time once
 the CPU kernels are compiled; the first run also compiles them). Random
 tensors stand in for a model's weights and projections; the asserts check
 real results: stored rows read back, sparse attention equal to dense
-attention while every causal token fits the budget, pooled keys written step
-by step equal to one compress over all of them, and a prefix-cache hit.
+attention while every causal token fits the budget, sparse MLA over the
+k-pool selection equal to dense absorbed MLA while the selection holds every
+causal token, pooled keys written step by step equal to one compress over all
+of them, and a prefix-cache hit.
 """
 
 import torch
@@ -18,6 +20,7 @@ dtype = torch.float32
 page_size, q_heads, kv_heads, head_size = 16, 8, 2, 64  # GQA: query head h reads KV head h // 4
 index_heads, index_dim, rotary_dim, ratio, budget = 2, 32, 16, 4, 32  # QSA: rows past budget + ratio - 1 are sparse
 kpool, pool_heads, topk = 4, 4, 64  # k-pool: one pooled key per 4 tokens; 16 pools fit the top-k
+kv_lora_rank, rope_dim = 32, 16  # MLA: latent rows of kv_lora_rank + rope_dim channels, values the first 32
 
 # Storage: blocks [num_pages, KV, num_layers, page_size, num_heads, head_size]
 blocks = sparsekv.cache.allocate_pages((4, 2, 1, page_size, kv_heads, head_size), dtype, "cpu")  # zeros
@@ -40,7 +43,9 @@ mgr = sparsekv.PagedKVCacheManager(
     [sparsekv.CacheGroupSpec("main", kv_planes=2, num_layers=1, num_heads=kv_heads, head_size=head_size, dtype=dtype),
      sparsekv.CacheGroupSpec("indexer", kv_planes=1, num_layers=1, num_heads=1, head_size=index_dim, dtype=dtype),
      sparsekv.CacheGroupSpec("kpool", kv_planes=1, num_layers=1, num_heads=1, head_size=index_dim, dtype=dtype,
-                             tokens_per_entry=kpool)],
+                             tokens_per_entry=kpool),
+     sparsekv.CacheGroupSpec("latent", kv_planes=1, num_layers=1, num_heads=1, head_size=kv_lora_rank + rope_dim,
+                             dtype=dtype)],
     page_size=page_size, num_pages=16)
 prompt = torch.randint(0, 32000, (45,)).tolist()
 cached = mgr.claim("req-0", prompt)                     # prefix-cache hit, in tokens
@@ -51,6 +56,7 @@ for token_ids in (prompt[:32], prompt[32:], [7], [8], [9]):  # chunked prefill, 
     mgr.allocate("req-0", num_new_tokens)               # InsufficientPagesError when full
     batch = mgr.prepare(["req-0"], [num_new_tokens])    # lookup tables, offsets, collections
     main_coll, indexer_coll, pooled_coll = (batch.collection(name) for name in ("main", "indexer", "kpool"))
+    latent_coll = batch.collection("latent")
     input_row_offsets, start = batch.input_row_offsets, int(batch.cache_lengths[0])
     query_positions = torch.arange(start, start + num_new_tokens, dtype=torch.int32)
 
@@ -61,6 +67,7 @@ for token_ids in (prompt[:32], prompt[32:], [7], [8], [9]):  # chunked prefill, 
     main_coll.get_key_cache(0).store(rows(kv_heads, head_size), input_row_offsets)
     main_coll.get_value_cache(0).store(rows(kv_heads, head_size), input_row_offsets)
     indexer_coll.get_key_cache(0).store(rows(1, index_dim), input_row_offsets)  # raw indexer keys
+    latent_coll.get_key_cache(0).store(rows(1, kv_lora_rank + rope_dim), input_row_offsets)  # MLA latent rows
 
     # QSA (SPEC 2)
     key_counts = batch.cache_lengths + num_new_tokens
@@ -82,6 +89,11 @@ for token_ids in (prompt[:32], prompt[32:], [7], [8], [9]):  # chunked prefill, 
     pool_scores = sparsekv.mla_kpool_score(q_idx, head_weights, pooled_coll, 0, query_positions,
                                            input_row_offsets, kpool=kpool)
     pool_indices, pool_counts = sparsekv.mla_kpool_expand_topk(pool_scores, query_positions, kpool=kpool, topk=topk)
+
+    # Sparse MLA (SPEC 3.4): absorbed queries [q_nope @ W_uk, q_rope] over the latent rows the k-pool selected
+    q_lat = rows(q_heads, kv_lora_rank + rope_dim)
+    o_lat = sparsekv.mla_sparse_attention_paged(q_lat, latent_coll, 0, pool_indices, pool_counts, input_row_offsets,
+                                                scale=head_size ** -0.5, v_head_dim=kv_lora_rank)
     mgr.step("req-0", token_ids)                        # commit: the tokens are cached, full pages hashed
 
     # Rows whose causal tokens fit budget + ratio - 1 read all of them and equal dense attention (torch SDPA).
@@ -98,10 +110,15 @@ for token_ids in (prompt[:32], prompt[32:], [7], [8], [9]):  # chunked prefill, 
     # topk // kpool = 16 pools cover every visible pool here, so the k-pool selection is every causal token.
     assert torch.equal(pool_counts, query_positions + 1)
     assert torch.equal(pool_indices[-1, :int(pool_counts[-1])].long(), history)
+    latent = latent_coll.get_key_cache(0).load(0, history)[:, 0]  # [n, kv_lora_rank + rope_dim]
+    logits = torch.einsum("thd,nd->thn", q_lat, latent) * head_size ** -0.5
+    logits = logits.masked_fill(history[None, None, :] > query_positions[:, None, None], float("-inf"))
+    torch.testing.assert_close(o_lat, logits.softmax(-1) @ latent[:, :kv_lora_rank])  # dense absorbed MLA
     pool_keys.append(k)
     pool_gates.append(k_gate)
     checked_rows, read = checked_rows + int(fits.sum()), read + int(counts.sum())
     causal_tokens += int((query_positions + 1).sum())
+print("sparse MLA: every row equals dense absorbed MLA over its causal latent rows")
 print(f"QSA: {checked_rows} rows equal dense attention; the sparse attention read {read} of {causal_tokens} "
       f"causal tokens ({read / causal_tokens:.0%})")
 

@@ -42,12 +42,14 @@ def _seeded_qwen_tensors(config: Qwen4ExpConfig) -> dict[str, torch.Tensor]:
 # ---------------------------------------------------------------------------
 # configs
 # ---------------------------------------------------------------------------
-def test_default_configs_are_the_real_models():
-    qwen = Qwen4ExpConfig()
-    assert (qwen.hidden_size, qwen.num_attention_heads, qwen.num_key_value_heads, qwen.head_dim) == (2560, 24, 2, 256)
-    assert qwen.rotary_dim == 64 and qwen.budget_blocks == 512
+def test_spec_real_models_in_sparsekv_form():
+    qwen = load_config({"model_type": "qwen4_exp", "hidden_size": 2560, "num_hidden_layers": 48,
+                        "num_attention_heads": 24, "head_dim": 256, "partial_rotary_factor": 0.25, "rope_theta": 1e7,
+                        "indexer_n_heads": 4, "indexer_head_dim": 128, "indexer_compress_ratio": 4,
+                        "indexer_budget": 2048})
+    assert qwen.rotary_dim == 64 and qwen.budget_blocks == 512 and qwen.indexer_kv_heads == 1
     assert qwen.qsa_layers == tuple(range(3, 48, 4))
-    glm = Glm5NextConfig()
+    glm = load_config({"model_type": "glm5_next", "index_kpool": 4})  # SPEC 3's k-pool; the rest HF's defaults
     assert glm.index_layers == tuple(range(3, 45, 4)) and glm.topk_pools == 512
 
 
@@ -138,16 +140,17 @@ def test_glm_checkpoint_round_trip_keeps_ape_float32(tmp_path):
     donor = Glm5NextIndexerSlice(config, VOCAB)
     seed_parameters(donor, 5)
     tensors = slice_state(donor)
-    assert set(tensors) >= {"model.layers.1.self_attn.indexer.wq_b.weight", "model.layers.1.self_attn.indexer.ape",
+    assert set(tensors) >= {"model.layers.1.self_attn.indexer.wq_b.weight",
+                            "model.layers.1.self_attn.indexer.index_kpool_compress_ape",
                             "model.layers.1.self_attn.indexer.weights_proj.weight",
-                            "model.layers.1.self_attn.indexer.gate_proj.weight",
+                            "model.layers.1.self_attn.indexer.index_kpool_compress_gate",
                             "model.layers.1.self_attn.indexer.k_norm.bias", "model.layers.1.self_attn.q_a_proj.weight"}
     _write_checkpoint(tmp_path / "glm", GLM_JSON, tensors)
     model = Glm5NextIndexerSlice(config, VOCAB, dtype=torch.bfloat16)
     load_slice_weights(model, CheckpointReader(tmp_path / "glm"))
     indexer = model.layers[0].indexer
-    assert indexer.ape.dtype == torch.float32
-    assert torch.equal(indexer.ape, donor.layers[0].indexer.ape)
+    assert indexer.index_kpool_compress_ape.dtype == torch.float32
+    assert torch.equal(indexer.index_kpool_compress_ape, donor.layers[0].indexer.index_kpool_compress_ape)
     assert torch.equal(indexer.wk.weight, donor.layers[0].indexer.wk.weight.to(torch.bfloat16))
 
 
@@ -159,7 +162,9 @@ def test_missing_weight_names_it_and_its_shape(tmp_path):
     model = Qwen4ExpSlice(config, VOCAB)
     before = model.attentions[0].q_proj.weight.clone()
     with pytest.raises(ValueError, match=r"missing weight 'model\.layers\.3\.self_attn\.indexer\.k_layernorm\.weight'"
-                                         r" \(expected shape \(8,\)\)"):
+                                         r" \(expected shape \(8,\)\); the checkpoint holds under "
+                                         r"'model\.layers\.3\.self_attn\.indexer\.': index_qk_proj\.weight, "
+                                         r"q_layernorm\.weight"):
         load_slice_weights(model, CheckpointReader(tmp_path / "ckpt"))
     assert torch.equal(model.attentions[0].q_proj.weight, before)  # nothing written
 
@@ -202,3 +207,29 @@ def test_module_loader_from_a_dict_and_missing_folder(tmp_path):
     assert torch.equal(model.attentions[0].k_norm.weight, tensors["model.layers.1.self_attn.k_norm.weight"])
     with pytest.raises(FileNotFoundError):
         CheckpointReader(tmp_path / "nowhere")
+
+
+def test_sparsekv_names_of_earlier_versions_are_named_in_the_error(tmp_path):
+    config = load_config(GLM_JSON)
+    donor = Glm5NextIndexerSlice(config, VOCAB)
+    seed_parameters(donor, 5)
+    tensors = slice_state(donor)
+    prefix = "model.layers.1.self_attn.indexer."
+    tensors[prefix + "ape"] = tensors.pop(prefix + "index_kpool_compress_ape")
+    tensors[prefix + "gate_proj.weight"] = tensors.pop(prefix + "index_kpool_compress_gate")
+    with pytest.raises(ValueError, match=r"missing weight 'model\.layers\.1\.self_attn\.indexer\."
+                                         r"index_kpool_compress_(ape|gate)' \(expected shape \((4, 8|8, 24)\)\); the "
+                                         r"checkpoint holds under '.*indexer\.': ape, gate_proj\.weight"):
+        load_slice_weights(Glm5NextIndexerSlice(config, VOCAB), tensors)
+
+
+@pytest.mark.parametrize("root", ["model.language_model.", ""])
+def test_checkpoint_roots_of_other_model_classes(root):
+    config = load_config(GLM_JSON)
+    donor = Glm5NextIndexerSlice(config, VOCAB)
+    seed_parameters(donor, 5)
+    tensors = {root + name.removeprefix("model."): value for name, value in slice_state(donor).items()}
+    model = Glm5NextIndexerSlice(config, VOCAB)
+    names = load_slice_weights(model, tensors)
+    assert set(names) == set(tensors)
+    assert torch.equal(model.layers[0].indexer.wk.weight, donor.layers[0].indexer.wk.weight)

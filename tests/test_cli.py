@@ -370,3 +370,12 @@ def test_bench_quick_kpool_reports_the_peak_peer_for_score(capsys, tmp_path):
     rows = {row["op"]: row for row in json.loads(out_json.read_text())}
     assert rows["mla_kpool_score"]["peers_ms"]["peak"] > 0  # the tile's multiply-adds were timed
     assert "peak" not in rows["mla_kpool_compress"]["peers_ms"]  # a memory-bound op has no such peer
+
+
+def test_bench_quick_mla_times_every_peer(capsys, tmp_path):
+    out_json = tmp_path / "bench.json"
+    assert cli.main(["bench", "--quick", "--only", "mla", "--json", str(out_json)]) == 0
+    assert "xdense" in capsys.readouterr().out.splitlines()[0].split()
+    rows = json.loads(out_json.read_text())
+    assert [row["op"] for row in rows] == ["mla_sparse_attention_paged"]
+    assert rows[0]["time_ms"] > 0 and set(rows[0]["peers_ms"]) == {"reference", "dense", "sdpa", "peak"}

@@ -1,4 +1,4 @@
-"""Model layers on paged caches: QSA attention (Qwen4Exp) and the k-pool indexer (GLM-5-Next).
+"""Model layers on paged caches: QSA attention (Qwen4Exp), the k-pool indexer (GLM-5-Next), MLA attention.
 
 The oracles are written here from the SPEC and the layer docstrings (plain
 dense PyTorch over whole sequences), not from the layer code.
@@ -14,7 +14,8 @@ import torch
 from sparsekv import mla_kpool_compress
 from sparsekv.cache.manager import CacheGroupSpec, PagedKVCacheManager
 from sparsekv.demo import seed_parameters
-from sparsekv.layers import Glm5NextConfig, Glm5NextIndexerSlice, KPoolIndexerLayer, QSAAttention, Qwen4ExpConfig
+from sparsekv.layers import (Glm5NextConfig, Glm5NextIndexerSlice, GlmMoeDsaConfig, KPoolIndexerLayer, MlaSlice,
+                             MlaSparseAttention, QSAAttention, Qwen4ExpConfig, mla_cache_groups)
 
 QWEN = Qwen4ExpConfig(hidden_size=48, num_hidden_layers=1, qsa_layers=(0,), num_attention_heads=4,
                       num_key_value_heads=2, head_dim=16, partial_rotary_factor=0.5, rope_theta=1e4,
@@ -200,12 +201,12 @@ def test_kpool_selection_matches_dense_oracle():
     q = (latent @ w["indexer.wq_b.weight"].T).reshape(-1, heads, dim)
     keys = torch.nn.functional.layer_norm(x @ w["indexer.wk.weight"].T, (dim,), w["indexer.k_norm.weight"],
                                           w["indexer.k_norm.bias"], 1e-6)
-    gates = x @ w["indexer.gate_proj.weight"].T
+    gates = x @ w["indexer.index_kpool_compress_gate"].T
     head_weights = (x @ w["indexer.weights_proj.weight"].T) * heads ** -0.5 * dim ** -0.5
     torch.testing.assert_close(result.head_weights, head_weights, rtol=1e-5, atol=1e-6)
     # Pools: per-channel softmax of gate + ape over each pool's members (SPEC 3.1).
     members = keys[: (29 // kpool) * kpool].reshape(-1, kpool, dim)
-    logits = gates[: (29 // kpool) * kpool].reshape(-1, kpool, dim) + w["indexer.ape"][None]
+    logits = gates[: (29 // kpool) * kpool].reshape(-1, kpool, dim) + w["indexer.index_kpool_compress_ape"][None]
     pooled = (logits.softmax(dim=1) * members).sum(dim=1)
     torch.testing.assert_close(stored, pooled, rtol=1e-5, atol=1e-6)
     # Scores and top-k expansion (SPEC 3.3).
@@ -223,5 +224,74 @@ def test_kpool_selection_matches_dense_oracle():
 
 def test_kpool_ape_stays_float32_in_a_bf16_model():
     slice_ = Glm5NextIndexerSlice(GLM, 16, dtype=torch.bfloat16)
-    assert slice_.layers[0].indexer.ape.dtype == torch.float32
+    assert slice_.layers[0].indexer.index_kpool_compress_ape.dtype == torch.float32
     assert slice_.layers[0].indexer.wk.weight.dtype == torch.bfloat16
+
+
+# ---------------------------------------------------------------------------
+# MLA sparse attention (GLM-5 shapes, tiny)
+# ---------------------------------------------------------------------------
+DSA = GlmMoeDsaConfig(hidden_size=40, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                      q_lora_rank=24, kv_lora_rank=20, qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10,
+                      index_n_heads=4, index_head_dim=16, index_topk=9, indexer_types=("full", "shared"))
+
+
+def _mla_run(slice_: MlaSlice, tokens: torch.Tensor, chunks: list[int], mode: str):
+    manager = PagedKVCacheManager(mla_cache_groups(DSA, torch.float32), page_size=PAGE, num_pages=16,
+                                  enable_prefix_caching=False)
+    manager.claim("r")
+    done, outputs, results = 0, [], []
+    for n in chunks:
+        manager.allocate("r", n)
+        batch = manager.prepare(["r"], [n])
+        with torch.no_grad():
+            hidden, per_layer = slice_(tokens[done:done + n], input_row_offsets=batch.input_row_offsets,
+                                       latent_cache=batch.collection("latent"), index_cache=batch.collection("indexer"),
+                                       mode=mode)
+        manager.step("r", [0] * n)
+        outputs.append(hidden)
+        results.append(per_layer)
+        done += n
+    return torch.cat(outputs), results
+
+
+def test_mla_absorbed_equals_expanded_and_shared_layers_reuse_the_selection():
+    slice_ = MlaSlice(DSA, 50)
+    seed_parameters(slice_, 6)
+    assert slice_.attentions[1].indexer is None
+    tokens = torch.randint(0, 50, (29,), generator=torch.Generator().manual_seed(4))
+    absorbed, results = _mla_run(slice_, tokens, [7, 11, 1, 1, 9], "absorbed")
+    expanded, _ = _mla_run(slice_, tokens, [29], "expanded")
+    torch.testing.assert_close(absorbed, expanded, rtol=1e-5, atol=1e-5)
+    for per_layer in results:
+        assert torch.equal(per_layer[1].indices, per_layer[0].indices)
+    counts = torch.cat([r[0].counts for r in results])
+    assert counts.tolist() == [min(t + 1, 9) for t in range(29)]  # kpool 1: topk tokens, no tail
+
+
+def test_mla_layer_errors():
+    layer = MlaSparseAttention(DSA, 1)  # a shared layer
+    manager = PagedKVCacheManager(mla_cache_groups(DSA, torch.float32), page_size=PAGE, num_pages=4)
+    manager.claim("r")
+    manager.allocate("r", 2)
+    batch = manager.prepare(["r"], [2])
+    kwargs = dict(input_row_offsets=batch.input_row_offsets, latent_cache=batch.collection("latent"), cache_layer=1)
+    with pytest.raises(ValueError, match="shared indexer layer"):
+        layer(torch.zeros(2, 40), **kwargs)
+    with pytest.raises(ValueError, match="mode"):
+        layer(torch.zeros(2, 40), mode="dense", **kwargs)
+    with pytest.raises(ValueError, match="index_cache"):
+        MlaSparseAttention(DSA, 0)(torch.zeros(2, 40), **kwargs)
+    with pytest.raises(ValueError, match="layer_id"):
+        MlaSparseAttention(GLM, 1)
+    indexer = KPoolIndexerLayer(GLM)
+    with pytest.raises(ValueError, match="ring"):
+        indexer(torch.zeros(2, GLM.hidden_size), input_row_offsets=batch.input_row_offsets,
+                cache_lengths=batch.cache_lengths, ring=None, slot_ids=None, pooled_cache=None, cache_layer=0)
+
+
+def test_weights_proj_dtype_follows_hf_loading():
+    # HF keeps indexer.weights_proj float32 in float16 models of the kpool = 1 families only
+    assert MlaSparseAttention(DSA, 0, dtype=torch.float16).indexer.weights_proj.weight.dtype == torch.float32
+    assert MlaSparseAttention(DSA, 0, dtype=torch.bfloat16).indexer.weights_proj.weight.dtype == torch.bfloat16
+    assert KPoolIndexerLayer(GLM, dtype=torch.float16).indexer.weights_proj.weight.dtype == torch.float16

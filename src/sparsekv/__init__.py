@@ -21,6 +21,7 @@ from .ops.kpool import (
     mla_kpool_seed_tail,
 )
 from .ops.kpool_step import kpool_indexer_step, store_pooled_keys
+from .ops.mla import mla_sparse_attention_paged
 from .ops.qsa import qsa_block_score, qsa_compress_keys_paged, qsa_select_tokens, qsa_sparse_attention_paged
 from .ops.select import SelectedTokens, select_blocks_expand
 
@@ -44,6 +45,7 @@ __all__ = [
     "mla_kpool_ring_close",
     "mla_kpool_score",
     "mla_kpool_seed_tail",
+    "mla_sparse_attention_paged",
     "paged_store",
     "qsa_block_score",
     "qsa_compress_keys_paged",

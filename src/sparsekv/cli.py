@@ -1,4 +1,4 @@
-"""The ``sparsekv`` command: ``sparsekv demo`` and ``sparsekv bench``.
+"""The ``sparsekv`` command: ``sparsekv demo``, ``sparsekv bench`` and ``sparsekv generate``.
 
 Exit status: 0 on success; 1 when a demo check fails; 2 for a usage,
 config or checkpoint error (the message names the problem). Output paths
@@ -10,6 +10,7 @@ Examples::
     sparsekv demo --requests 2 --context 64 --json
     sparsekv demo --checkpoint ckpt/ --plot decode.png
     sparsekv bench --quick --only qsa,kpool --json bench.json
+    sparsekv generate --model ckpt/ --prompt-tokens 4096 --new-tokens 32   # a local HF checkpoint
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ import sys
 import tempfile
 from collections.abc import Sequence
 
-BENCH_FAMILIES = ("qsa", "kpool", "cache", "manager")
+from .integrations.generate import add_generate_arguments
+
+BENCH_FAMILIES = ("qsa", "kpool", "mla", "cache", "manager")
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 
 
@@ -192,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--plot", metavar="FILE.png", help="bar chart of GB/s per row (.png, .svg or .pdf; "
                                                            "needs matplotlib)")
     bench.set_defaults(handler=_bench)
+
+    add_generate_arguments(commands.add_parser(
+        "generate", help="run a local Hugging Face checkpoint (config.json + safetensors) through sparsekv"))
     return parser
 
 

@@ -82,6 +82,9 @@ class ServingWork:
         q, g = qwen.config, glm.config
         linear_weights = sum(module.weight.numel() for model in (qwen, glm) for module in model.modules()
                              if isinstance(module, nn.Linear))
+        # the k-pool gate projection is a bare [index_head_dim, hidden] parameter, as HF names it
+        linear_weights += sum(weight.numel() for name, weight in glm.named_parameters()
+                              if name.endswith("index_kpool_compress_gate"))
         return cls(projection_macs=linear_weights, qsa_layers=len(q.qsa_layers),
                    qsa_attention_macs=2 * q.num_attention_heads * q.head_dim,
                    qsa_window=q.indexer_budget + q.indexer_compress_ratio - 1, qsa_ratio=q.indexer_compress_ratio,

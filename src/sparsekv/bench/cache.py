@@ -5,9 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..cache.layout import SENTINEL, PagedKVCacheCollection
-from .common import BenchRow, copy_peer, time_call
-
-_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
+from .common import DTYPE_NAMES, BenchRow, copy_peer, time_call
 
 
 def _collection(batch: int, tokens: int, cached: int, dtype: torch.dtype, *, page_size=128, heads=2,
@@ -37,7 +35,7 @@ def run(quick: bool = False) -> list[BenchRow]:
             shape = f"B={batch} new={tokens} cached={cached} 2x256 page=128"
             ours = time_call(lambda: view.store(values, offsets), repeat=5)
             peer = time_call(copy_peer(nbytes), repeat=5)
-            rows.append(BenchRow("paged_store", shape, _DTYPE_NAMES[dtype], "cpu", ours, nbytes,
+            rows.append(BenchRow("paged_store", shape, DTYPE_NAMES[dtype], "cpu", ours, nbytes,
                                  {"copy": peer}))
             positions = torch.arange(cached + tokens)
             view.store(values, offsets)
@@ -45,5 +43,5 @@ def run(quick: bool = False) -> list[BenchRow]:
             ours = time_call(lambda: [view.load(b, positions) for b in range(batch)], repeat=5)
             peer = time_call(copy_peer(load_bytes), repeat=5)
             rows.append(BenchRow("paged_load", f"B={batch} tokens={cached + tokens} 2x256 page=128",
-                                 _DTYPE_NAMES[dtype], "cpu", ours, load_bytes, {"copy": peer}))
+                                 DTYPE_NAMES[dtype], "cpu", ours, load_bytes, {"copy": peer}))
     return rows

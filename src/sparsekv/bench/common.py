@@ -7,13 +7,21 @@ are ``peer_time / our_time`` (above 1 means we are faster).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
+
+from ..cache.layout import SENTINEL
+from ..cache.memory import allocate_pages
+
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
+PAGE_SIZE = 128  # tokens per page of the benchmarks' caches
 
 
 @dataclass
@@ -147,3 +155,35 @@ def format_table(rows: list[BenchRow]) -> str:
 
 def rows_to_json(rows: list[BenchRow]) -> str:
     return json.dumps([r.to_dict() for r in rows], indent=2)
+
+
+@contextlib.contextmanager
+def backend(name: str):
+    """Run the ops with ``SPARSEKV_BACKEND=name`` inside the block."""
+    previous = os.environ.get("SPARSEKV_BACKEND")
+    os.environ["SPARSEKV_BACKEND"] = name
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("SPARSEKV_BACKEND", None)
+        else:
+            os.environ["SPARSEKV_BACKEND"] = previous
+
+
+def random_paged_blocks(batch: int, tokens: int, planes: int, heads: int, dim: int, dtype: torch.dtype,
+                        generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random pages for ``tokens`` per sequence, scattered through a pool with spare pages (allocated as
+    the cache manager allocates them: :func:`sparsekv.cache.allocate_pages`).
+
+    Returns ``blocks [num_pages, planes, 1, PAGE_SIZE, heads, dim]`` of ``dtype`` and ``lookup_table
+    [batch, pages per sequence + 1]`` int32 (a trailing ``SENTINEL`` column)."""
+    pages_per_seq = -(-tokens // PAGE_SIZE)
+    used = batch * pages_per_seq
+    num_pages = used + used // 8 + 1
+    shape = (num_pages, planes, 1, PAGE_SIZE, heads, dim)
+    blocks = allocate_pages(shape, dtype, "cpu")  # as the cache manager allocates its pages
+    blocks.copy_(torch.randn(shape, generator=generator))
+    table = torch.randperm(num_pages, generator=generator)[:used].reshape(batch, pages_per_seq)
+    table = torch.cat([table, torch.full((batch, 1), SENTINEL)], dim=1).to(torch.int32)
+    return blocks, table

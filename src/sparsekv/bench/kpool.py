@@ -22,10 +22,9 @@ import torch
 from ..cache.pooled import make_pooled_collection
 from ..kernels.reference import kpool as reference
 from ..ops.kpool import kpool_pool_row_offsets, mla_kpool_compress, mla_kpool_score
-from .common import BenchRow, copy_peer, time_interleaved
+from .common import DTYPE_NAMES, BenchRow, copy_peer, time_interleaved
 from .peak import tile_peak_peer
 
-_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 HEAD_DIM, KPOOL, INDEX_HEADS, TOPK, PAGE_SIZE = 128, 4, 32, 2048, 64
 
 
@@ -59,7 +58,7 @@ def _compress_row(batch: int, tokens: int, dtype: torch.dtype, rounds: int) -> B
         "copy": copy_peer(nbytes)}, rounds=rounds)
     agreement = _agreement(out, ref_out)
     ours = times.pop("ours")
-    return BenchRow("mla_kpool_compress", f"B={batch} T={tokens} D={HEAD_DIM} kpool={KPOOL}", _DTYPE_NAMES[dtype],
+    return BenchRow("mla_kpool_compress", f"B={batch} T={tokens} D={HEAD_DIM} kpool={KPOOL}", DTYPE_NAMES[dtype],
                     "cpu", ours, nbytes, times, note=f"vs reference: {agreement}")
 
 
@@ -89,7 +88,7 @@ def _score_row(batch: int, tokens: int, dtype: torch.dtype, rounds: int) -> Benc
     ours = times.pop("ours")
     err = float(((out - ref_out).abs().max() / ref_out.abs().max().clamp_min(1e-30)))
     return BenchRow("mla_kpool_score", f"B={batch} decode t={tokens - 1} H={INDEX_HEADS} D={HEAD_DIM}",
-                    _DTYPE_NAMES[dtype], "cpu", ours, nbytes, times, note=f"max rel err vs reference {err:.1e}")
+                    DTYPE_NAMES[dtype], "cpu", ours, nbytes, times, note=f"max rel err vs reference {err:.1e}")
 
 
 def run(quick: bool = False) -> list[BenchRow]:

@@ -16,10 +16,8 @@ given, MAX's own CPU kernel (``max``, via ``benchmarks/max_peer.py``).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -27,47 +25,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..cache.layout import SENTINEL, PagedKVCacheCollection
-from ..cache.memory import allocate_pages
+from ..cache.layout import PagedKVCacheCollection
 from ..numerics import rope_freqs_cis
 from ..ops.qsa import qsa_block_score, qsa_compress_keys_paged, qsa_select_tokens, qsa_sparse_attention_paged
-from .common import BenchRow, copy_peer, time_interleaved
+from .common import DTYPE_NAMES, PAGE_SIZE, BenchRow, backend, copy_peer, random_paged_blocks, time_interleaved
 from .peak import tile_peak_peer
 
-HEAD_DIM, RATIO, ROTARY_DIM, PAGE_SIZE, THETA, EPS = 128, 4, 64, 128, 1e7, 1e-6
+HEAD_DIM, RATIO, ROTARY_DIM, THETA, EPS = 128, 4, 64, 1e7, 1e-6
 INDEX_HEADS, ROWS_PER_SEQUENCE, BUDGET = 4, 4, 2048
 Q_HEADS, KV_HEADS, MAIN_HEAD_DIM = 24, 2, 256
-_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 MAX_PEER_SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "max_peer.py"
-
-
-@contextlib.contextmanager
-def backend(name: str):
-    """Run the ops with ``SPARSEKV_BACKEND=name`` inside the block."""
-    previous = os.environ.get("SPARSEKV_BACKEND")
-    os.environ["SPARSEKV_BACKEND"] = name
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop("SPARSEKV_BACKEND", None)
-        else:
-            os.environ["SPARSEKV_BACKEND"] = previous
-
-
-def _paged(batch: int, tokens: int, planes: int, heads: int, dim: int, dtype: torch.dtype,
-           generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random pages for ``tokens`` per sequence, scattered through a pool with spare pages (allocated as
-    the cache manager allocates them: :func:`sparsekv.cache.allocate_pages`)."""
-    pages_per_seq = -(-tokens // PAGE_SIZE)
-    used = batch * pages_per_seq
-    num_pages = used + used // 8 + 1
-    shape = (num_pages, planes, 1, PAGE_SIZE, heads, dim)
-    blocks = allocate_pages(shape, dtype, "cpu")  # as the cache manager allocates its pages
-    blocks.copy_(torch.randn(shape, generator=generator))
-    table = torch.randperm(num_pages, generator=generator)[:used].reshape(batch, pages_per_seq)
-    table = torch.cat([table, torch.full((batch, 1), SENTINEL)], dim=1).to(torch.int32)
-    return blocks, table
 
 
 def _time_with_peers(call, **peers) -> tuple[float, dict[str, float]]:
@@ -91,7 +58,7 @@ def max_peer_ms(max_python: str | None, op: str, batch: int, keys: int, dtype: t
         print(f"bench_qsa: no MAX column: {MAX_PEER_SCRIPT} is absent", file=sys.stderr)
         return None
     command = [max_python, str(MAX_PEER_SCRIPT), "--op", op, "--batch", str(batch), "--keys", str(keys),
-               "--dtype", _DTYPE_NAMES[dtype], "--json"] + (["--threads", str(threads)] if threads else [])
+               "--dtype", DTYPE_NAMES[dtype], "--json"] + (["--threads", str(threads)] if threads else [])
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:
@@ -113,7 +80,7 @@ def bench_compress(batch: int, keys: int, dtype: torch.dtype, max_python: str | 
     """One decode step that pools every complete block of every sequence."""
     generator = torch.Generator().manual_seed(0)
     key_counts = (keys - torch.arange(batch)).to(torch.int32)
-    blocks, table = _paged(batch, keys, 1, 1, HEAD_DIM, dtype, generator)
+    blocks, table = random_paged_blocks(batch, keys, 1, 1, HEAD_DIM, dtype, generator)
     cache = PagedKVCacheCollection(blocks, key_counts - 1, table, max_seq_length=1, max_cache_length=keys)
     gamma = (0.1 * torch.randn(HEAD_DIM, generator=generator)).to(dtype)
     freqs = rope_freqs_cis(keys, ROTARY_DIM, THETA)
@@ -132,7 +99,7 @@ def bench_compress(batch: int, keys: int, dtype: torch.dtype, max_python: str | 
     if max_ms is not None:
         peers["max"] = max_ms
     return BenchRow("qsa_compress_keys_paged", f"B={batch} keys={keys}-b D=128 R=4 rot=64 page=128",
-                    _DTYPE_NAMES[dtype], "cpu", ours, nbytes, peers)
+                    DTYPE_NAMES[dtype], "cpu", ours, nbytes, peers)
 
 
 def bench_block_score(batch: int, keys: int, rows_per_seq: int, dtype: torch.dtype,
@@ -160,7 +127,7 @@ def bench_block_score(batch: int, keys: int, rows_per_seq: int, dtype: torch.dty
             peers["max"] = max_ms
     kind = "decode" if rows_per_seq <= ROWS_PER_SEQUENCE else "prefill chunk"
     return BenchRow("qsa_block_score", f"{kind}: B={batch} rows={rows_per_seq}/seq heads=4 blocks={max_blocks}",
-                    _DTYPE_NAMES[dtype], "cpu", ours, nbytes, peers)
+                    DTYPE_NAMES[dtype], "cpu", ours, nbytes, peers)
 
 
 def bench_select(batch: int, keys: int) -> BenchRow:
@@ -183,7 +150,7 @@ def bench_sparse_attention(batch: int, cached: int, dtype: torch.dtype) -> Bench
     """Decode: one new token per sequence after ``cached`` tokens, ``BUDGET + R - 1`` selected entries."""
     generator = torch.Generator().manual_seed(3)
     total = cached + 1
-    blocks, table = _paged(batch, total, 2, KV_HEADS, MAIN_HEAD_DIM, dtype, generator)
+    blocks, table = random_paged_blocks(batch, total, 2, KV_HEADS, MAIN_HEAD_DIM, dtype, generator)
     cache = PagedKVCacheCollection(blocks, torch.full((batch,), cached, dtype=torch.int32), table,
                                    max_seq_length=1, max_cache_length=cached)
     q = torch.randn(batch, Q_HEADS, MAIN_HEAD_DIM, generator=generator).to(dtype)
@@ -212,7 +179,7 @@ def bench_sparse_attention(batch: int, cached: int, dtype: torch.dtype) -> Bench
                           else {torch.float32: 2 * products})
     ours, peers = _time_with_peers(call, sdpa=dense, copy=copy_peer(nbytes), peak=peak)
     return BenchRow("qsa_sparse_attention_paged",
-                    f"decode B={batch} cached={cached} budget={BUDGET} q24/kv2 D=256", _DTYPE_NAMES[dtype], "cpu",
+                    f"decode B={batch} cached={cached} budget={BUDGET} q24/kv2 D=256", DTYPE_NAMES[dtype], "cpu",
                     ours, nbytes, peers)
 
 

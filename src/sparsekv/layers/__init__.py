@@ -2,8 +2,10 @@
 
 * :class:`QSAAttention` / :class:`QSAIndexer` (Qwen4Exp full-attention layers, SPEC 2),
   stacked by :class:`Qwen4ExpSlice`;
-* :class:`KPoolIndexer` (GLM-5-Next k-pool indexer, SPEC 3), with
-  :class:`KPoolIndexerLayer` and :class:`Glm5NextIndexerSlice`;
+* :class:`KPoolIndexer` (the DSA indexer: GLM-5-Next's k-pool, ``kpool = 1`` for
+  GLM-5 / DeepSeek-V3.2, SPEC 3), with :class:`KPoolIndexerLayer` and :class:`Glm5NextIndexerSlice`;
+* :class:`MlaSparseAttention` (MLA attention over the indexer's selection, SPEC 3.4),
+  stacked by :class:`MlaSlice`; :func:`mla_cache_groups` (latent + indexer cache groups);
 * :func:`load_config` (``config.json``), :class:`CheckpointReader` and
   :func:`load_module_weights` / :func:`load_slice_weights` (safetensors by weight name).
 """
@@ -18,8 +20,11 @@ from .checkpoint import (
     save_checkpoint,
     slice_state,
 )
-from .config import Glm5NextConfig, ModelConfig, Qwen4ExpConfig, config_from_dict, load_config, save_config
+from .config import (DeepseekV32Config, Glm5NextConfig, GlmMoeDsaConfig, MlaConfig, ModelConfig, Qwen4ExpConfig,
+                     config_from_dict, load_config, save_config)
+from .dsa import mla_cache_groups
 from .kpool import Glm5NextIndexerSlice, KPoolIndexer, KPoolIndexerLayer, KPoolResult, RMSNorm
+from .mla import MlaResult, MlaSlice, MlaSparseAttention
 from .qsa import (
     QSAAttention,
     QSAIndexer,
@@ -32,11 +37,17 @@ from .qsa import (
 
 __all__ = [
     "CheckpointReader",
+    "DeepseekV32Config",
     "Glm5NextConfig",
     "Glm5NextIndexerSlice",
+    "GlmMoeDsaConfig",
     "KPoolIndexer",
     "KPoolIndexerLayer",
     "KPoolResult",
+    "MlaConfig",
+    "MlaResult",
+    "MlaSlice",
+    "MlaSparseAttention",
     "ModelConfig",
     "QSAAttention",
     "QSAIndexer",
@@ -52,6 +63,7 @@ __all__ = [
     "load_config",
     "load_module_weights",
     "load_slice_weights",
+    "mla_cache_groups",
     "module_state",
     "open_checkpoint",
     "save_checkpoint",

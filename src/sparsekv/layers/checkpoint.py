@@ -8,9 +8,17 @@ layers this library builds from a large checkpoint reads only those.
 
 A module's weights are its ``state_dict()`` names under a prefix, e.g.
 ``QSAAttention`` at ``model.layers.3.self_attn.`` needs
-``model.layers.3.self_attn.q_proj.weight`` ...; a missing weight or one of
-the wrong shape raises ``ValueError`` naming it and the expected shape.
-Weights the modules do not use (other layers, MLPs) are ignored.
+``model.layers.3.self_attn.q_proj.weight`` ...; the module attributes carry
+Hugging Face's names, so a checkpoint HF's ``save_pretrained`` wrote loads
+as is. A missing weight or one of the wrong shape raises ``ValueError``
+naming it and the expected shape (a missing one also lists what the
+checkpoint holds next to it, which shows a renamed weight at a glance).
+Weights the modules do not use (other layers, MLPs, vision towers) are ignored.
+
+HF roots the decoder layers differently per model class: ``model.layers.N.``
+(``*ForCausalLM``), ``model.language_model.layers.N.`` (multimodal
+``*ForConditionalGeneration``), ``layers.N.`` (a bare text model).
+:func:`load_slice_weights` finds which of these the checkpoint uses.
 
 Example::
 
@@ -109,13 +117,41 @@ def _tensor_of(source: TensorSource, name: str) -> torch.Tensor:
     return source[name]
 
 
+def _missing_weight(source: TensorSource, full: str, shape: tuple[int, ...]) -> ValueError:
+    """The error for a missing weight, listing the checkpoint's names beside it (a renamed weight shows)."""
+    parts = full.split(".")[:-1]  # the owning module, or its parent for a module's weight / bias
+    if full.rsplit(".", 1)[-1] in ("weight", "bias") and parts:
+        parts = parts[:-1]
+    parent = ".".join(parts) + "." if parts else ""
+    names = source.names() if isinstance(source, CheckpointReader) else sorted(source)
+    nearby = [name[len(parent):] for name in names if name.startswith(parent)]
+    where = (f"; the checkpoint holds under {parent!r}: {', '.join(nearby[:12])}{' ...' if len(nearby) > 12 else ''}"
+             if nearby else f"; the checkpoint holds nothing under {parent!r}")
+    return ValueError(f"checkpoint: missing weight {full!r} (expected shape {shape}){where}")
+
+
+def _check_weights(module: torch.nn.Module, source: TensorSource, prefix: str) -> dict[str, torch.Tensor]:
+    """Every ``module.state_dict()`` entry's name and shape checked against ``source``; returns the targets."""
+    targets = module.state_dict(keep_vars=True)
+    for name, target in targets.items():
+        full = prefix + name
+        if full not in source:
+            raise _missing_weight(source, full, tuple(target.shape))
+        got = _shape_of(source, full)
+        if got != tuple(target.shape):
+            raise ValueError(
+                f"checkpoint: weight {full!r} has shape {got}, expected {tuple(target.shape)}"
+            )
+    return targets
+
+
 def load_module_weights(module: torch.nn.Module, source: TensorSource, prefix: str = "") -> list[str]:
     """Copy every ``module.state_dict()`` entry from ``source[prefix + name]``.
 
     Args:
         module: the layer; its parameters keep their dtype and device (the
             checkpoint tensor is converted), so a float32 parameter such as
-            the k-pool ``ape`` stays float32 in a bf16 model.
+            the k-pool ``index_kpool_compress_ape`` stays float32 in a bf16 model.
         source: a :class:`CheckpointReader` or a dict of tensors.
         prefix: the module's checkpoint prefix, e.g. ``"model.layers.3.self_attn."``.
 
@@ -123,18 +159,7 @@ def load_module_weights(module: torch.nn.Module, source: TensorSource, prefix: s
     missing weight (with its expected shape) or the first weight whose shape
     differs, and writes nothing in that case.
     """
-    targets = module.state_dict(keep_vars=True)
-    for name, target in targets.items():
-        full = prefix + name
-        if full not in source:
-            raise ValueError(
-                f"checkpoint: missing weight {full!r} (expected shape {tuple(target.shape)})"
-            )
-        got = _shape_of(source, full)
-        if got != tuple(target.shape):
-            raise ValueError(
-                f"checkpoint: weight {full!r} has shape {got}, expected {tuple(target.shape)}"
-            )
+    targets = _check_weights(module, source, prefix)
     with torch.no_grad():
         for name, target in targets.items():
             value = _tensor_of(source, prefix + name)
@@ -171,18 +196,37 @@ def save_checkpoint(path: str | os.PathLike, config: ModelConfig,
 
 
 
+# Where HF's model classes root the decoder: *ForCausalLM, multimodal *ForConditionalGeneration, bare text model.
+CHECKPOINT_ROOTS = ("model.", "model.language_model.", "")
+
+
+def checkpoint_root(source: TensorSource, pairs: list[tuple[torch.nn.Module, str]]) -> str:
+    """The root (``CHECKPOINT_ROOTS``) under which ``source`` holds the weights of ``pairs`` (prefixed ``model.``).
+
+    The first root holding the first weight of the first pair wins;
+    ``"model."`` when none does (the missing-weight error then names it).
+    """
+    first = next(((prefix, name) for module, prefix in pairs for name in module.state_dict()), None)
+    if first is None:
+        return "model."
+    prefix, name = first
+    for root in CHECKPOINT_ROOTS:
+        if root + prefix.removeprefix("model.") + name in source:
+            return root
+    return "model."
+
+
 def load_slice_weights(model: torch.nn.Module, source: TensorSource) -> list[str]:
-    """Load every ``(module, prefix)`` of ``model.checkpoint_modules()`` (a ``Qwen4ExpSlice`` or
-    ``Glm5NextIndexerSlice``). Every weight is checked before the first is written."""
+    """Load every ``(module, prefix)`` of ``model.checkpoint_modules()`` (prefixes under ``model.``).
+
+    The checkpoint may root them elsewhere (:data:`CHECKPOINT_ROOTS`, found by
+    :func:`checkpoint_root`). Every weight is checked before the first is written.
+    """
     pairs = model.checkpoint_modules()
+    root = checkpoint_root(source, pairs)
+    pairs = [(module, root + prefix.removeprefix("model.")) for module, prefix in pairs]
     for module, prefix in pairs:  # validate all names and shapes first
-        for name, target in module.state_dict(keep_vars=True).items():
-            full = prefix + name
-            if full not in source:
-                raise ValueError(f"checkpoint: missing weight {full!r} (expected shape {tuple(target.shape)})")
-            got = _shape_of(source, full)
-            if got != tuple(target.shape):
-                raise ValueError(f"checkpoint: weight {full!r} has shape {got}, expected {tuple(target.shape)}")
+        _check_weights(module, source, prefix)
     loaded: list[str] = []
     for module, prefix in pairs:
         loaded += load_module_weights(module, source, prefix)
@@ -197,5 +241,5 @@ def slice_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-__all__ = ["CheckpointReader", "load_module_weights", "load_slice_weights", "module_state", "open_checkpoint",
-           "save_checkpoint", "slice_state"]
+__all__ = ["CHECKPOINT_ROOTS", "CheckpointReader", "checkpoint_root", "load_module_weights", "load_slice_weights",
+           "module_state", "open_checkpoint", "save_checkpoint", "slice_state"]

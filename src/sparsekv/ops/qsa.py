@@ -18,14 +18,14 @@ One layer step (SPEC 2.6)::
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 import torch
 
 from .._checks import (KEY_DTYPES, as_index_tensor, check_bool, check_float, check_freqs_cis_rows, check_instance,
-                       check_int, check_nonnegative, check_offsets, check_same_dtype, check_tensor, host_array)
+                       check_int, check_nonnegative, check_same_dtype, check_tensor, host_array)
 from .._env import host_checks
 from ..cache.layout import PagedKVCacheCollection, check_needed_pages
+from ._attention_checks import check_counted_positions, check_row_offsets
 from ._registry import kernel, out_op
 from .select import SelectedTokens, select_blocks_expand
 
@@ -86,13 +86,6 @@ def _sparse_attention_op(
         out, lse, q, blocks, lookup_table, indices, counts, input_row_offsets, layer, scale, gate
     )
 
-
-
-# ---- helpers ---------------------------------------------------------------
-
-def _check_row_offsets(offsets: torch.Tensor, batch: int, total_rows: int, device: torch.device) -> torch.Tensor:
-    check_tensor("input_row_offsets", offsets, ndim=1)
-    return check_offsets("input_row_offsets", offsets.to(device), batch=batch, total=total_rows, total_of="q rows")
 
 
 # ---- public ops --------------------------------------------------------------
@@ -246,7 +239,7 @@ def qsa_block_score(
     if block_keys.shape[0] % batch:
         raise ValueError(f"block_keys: {block_keys.shape[0]} rows is not a multiple of the batch size {batch}")
     max_blocks = block_keys.shape[0] // batch
-    offsets = _check_row_offsets(input_row_offsets, batch, total_q, q.device)
+    offsets = check_row_offsets(input_row_offsets, batch, total_q, q.device)
     positions = as_index_tensor("query_positions", query_positions, ndim=1).to(q.device)
     if positions.shape[0] != total_q:
         raise ValueError(f"query_positions: expected shape ({total_q},) = q rows, got {tuple(positions.shape)}")
@@ -301,7 +294,7 @@ def qsa_select_tokens(
     batch = input_row_offsets.shape[0] - 1
     if batch < 1:
         raise ValueError("input_row_offsets: empty batch; expected shape (B+1,) with B >= 1")
-    _check_row_offsets(input_row_offsets, batch, scores.shape[0], scores.device)
+    check_row_offsets(input_row_offsets, batch, scores.shape[0], scores.device)
     return select_blocks_expand(scores, query_positions, ratio=ratio, budget=budget, include_tail=True)
 
 
@@ -365,45 +358,10 @@ def qsa_sparse_attention_paged(
         raise ValueError(f"indices: expected {total_q} rows (q rows), got {indices.shape[0]}")
     if counts.shape[0] != total_q:
         raise ValueError(f"counts: expected shape ({total_q},) = q rows, got {tuple(counts.shape)}")
-    offsets = _check_row_offsets(input_row_offsets, c.batch_size, total_q, c.device)
+    offsets = check_row_offsets(input_row_offsets, c.batch_size, total_q, c.device)
     if host_checks(c.device) and total_q:
-        _check_counted_positions(indices, counts, offsets, c.cache_lengths)
+        check_counted_positions(indices, counts, offsets, c.cache_lengths)
     out = torch.empty_like(q)
     lse = torch.empty(total_q, q_heads, dtype=torch.float32, device=c.device)
     _sparse_attention_op(out, lse, q, c.blocks, c.lookup_table, indices, counts, offsets, layer_idx, scale, gate)
     return (out, lse) if return_lse else out
-
-
-@numba.njit(cache=True, nogil=True)
-def _first_bad_counted_entry(indices, counts, offsets, cached):
-    """(row, entry, tokens held) of the first counted entry outside ``[0, tokens held)``, or (row, -1, 0) for
-    the first count above ``indices``' width; (-1, -1, 0) when every row is fine. One pass, no temporaries:
-    the ten numpy ops over the whole index matrix that it replaces took ~30 us themselves but made the
-    decode step that followed them 0.05-0.14 ms slower (measured; the cause was not pinned down)."""
-    width = indices.shape[1]
-    for b in range(offsets.shape[0] - 1):
-        rows = offsets[b + 1] - offsets[b]
-        held = np.int64(cached[b]) + rows
-        for r in range(offsets[b], offsets[b + 1]):
-            if counts[r] > width:
-                return r, -1, 0
-            for i in range(counts[r]):
-                if indices[r, i] < 0 or indices[r, i] >= held:
-                    return r, i, held
-    return -1, -1, 0
-
-
-def _check_counted_positions(indices: torch.Tensor, counts: torch.Tensor, offsets: torch.Tensor,
-                             cache_lengths: torch.Tensor) -> None:
-    """Counts within ``[.., W]`` and counted positions in ``[0, tokens held)``, else ``ValueError``."""
-    indices, counts, offsets, cached = (host_array(t) for t in (indices, counts, offsets, cache_lengths))
-    r, i, held = _first_bad_counted_entry(indices, counts, offsets, cached)
-    if r < 0:
-        return
-    if i < 0:
-        raise ValueError(f"counts: row {r} counts {int(counts[r])} entries but indices has {indices.shape[1]} columns")
-    b = int(np.searchsorted(offsets, r, side="right")) - 1
-    raise ValueError(
-        f"indices: row {r}, entry {i} holds position {int(indices[r, i])}, outside [0, {held}) "
-        f"(the tokens sequence {b} holds) inside the counted region (counts[{r}] = {int(counts[r])})"
-    )

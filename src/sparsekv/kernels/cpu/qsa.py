@@ -62,14 +62,14 @@ from numba import prange
 
 from ..._checks import check_freqs_cis_rows
 from ...cache.layout import page_error
-from ..reference.qsa import counted_entry_error
 from ._bits import as_numba, narrow, widen
 from ._score_tasks import plan_score_tasks, relu_sums, score_task
 from ._tile_ir import KEYS_PER_TILE, SQUARE_SUM_ROWS, VECTOR, WEIGHTED_CHANNELS
 from ._tile_ops import (KEYS_PER_TASK, dots_of_gathered_rows, dots_of_rows, gather_rows, new_query_tiles, new_scratch,
                         new_value_scratch, put_query, square_sums_in_order, transpose_dots, weighted_rows)
 from ._math import exp_f32
-from ._pages import first_missing_page
+from ._pages import check_counted_entries, first_missing_page
+from ._paged_rows import flat_plane, sequence_of_rows, token_starts
 from ._parallel import PARALLEL_JIT, threads_for
 
 _ROWS_PER_TASK = 64  # block-key rows per compress task (groups of SQUARE_SUM_ROWS: their RMSNorm sums run at once)
@@ -77,25 +77,9 @@ _ROWS_PER_TASK = 64  # block-key rows per compress task (groups of SQUARE_SUM_RO
 
 # ---- compress -------------------------------------------------------------------------
 
-def _flat_plane(blocks: torch.Tensor, plane: int, layer: int) -> tuple[np.ndarray, int, int]:
-    """``blocks``' memory as one flat array, its page stride, and where (plane, layer) starts in a page.
-
-    Element (page, row, head, channel) of that plane and layer is
-    ``flat[page*page_stride + base + (row*heads + head)*D + channel]``. A flat
-    array lets LLVM vectorise the channel loops, which it cannot do through a
-    strided 6-d view whose innermost stride is only known at run time.
-    """
-    pages, kv, layers, page_size, heads, dim = blocks.shape
-    span = (pages - 1) * blocks.stride(0) + kv * layers * page_size * heads * dim
-    flat = blocks.as_strided((span,), (1,))
-    return as_numba(flat), blocks.stride(0), (plane * layers + layer) * page_size * heads * dim
-
-
-
-
 @numba.njit(**PARALLEL_JIT)
 def _compress_kernel(out, keys, page_stride, base, page_size, table, num_blocks, gamma, freqs, ratio, eps):
-    """``out [B*max_blocks, D]``; ``keys`` the flat cache (see ``_flat_plane``, one head);
+    """``out [B*max_blocks, D]``; ``keys`` the flat cache (see ``flat_plane``, one head);
     ``freqs [positions, rotary]`` float32, (cos, sin) pairs interleaved; ``num_blocks [B]`` pooled blocks per
     sequence."""
     rows, dim = out.shape
@@ -198,7 +182,7 @@ def qsa_compress_keys_paged(block_keys, gamma, freqs_cis, key_counts, blocks, lo
         freqs_cis = freqs_cis.to(block_keys.dtype)
     freqs = freqs_cis[: max(needed_positions, 1)].float().contiguous()
     out = block_keys if block_keys.is_contiguous() else torch.empty_like(block_keys, memory_format=torch.contiguous_format)
-    keys, page_stride, base = _flat_plane(blocks, 0, layer)
+    keys, page_stride, base = flat_plane(blocks, 0, layer)
     with threads_for(block_keys.numel() * ratio):
         _compress_kernel(as_numba(out), keys, page_stride, base, blocks.shape[3], lookup_table.numpy(),
                          num_blocks.astype(np.int32), gamma.float().contiguous().numpy(), freqs.numpy(),
@@ -208,18 +192,6 @@ def qsa_compress_keys_paged(block_keys, gamma, freqs_cis, key_counts, blocks, lo
 
 
 # ---- block score --------------------------------------------------------------------
-
-@numba.njit(cache=True, nogil=True)
-def _sequence_of_rows(offsets):
-    """``[total_q]`` sequence id of every row of ``[B+1]`` row offsets (a loop, not a torch op:
-    torch's parallel ops would fight numba's threads for the cores on small inputs)."""
-    batch = offsets.shape[0] - 1
-    seq_of_row = np.empty(offsets[batch], np.int64)
-    for b in range(batch):
-        for r in range(offsets[b], offsets[b + 1]):
-            seq_of_row[r] = b
-    return seq_of_row
-
 
 @numba.njit(**PARALLEL_JIT)
 def _block_score_kernel(scores, q, keys, offsets, positions, ratio, max_blocks, scale):
@@ -273,38 +245,10 @@ def qsa_block_score(scores, q, block_keys, query_positions, input_row_offsets, r
 
 # ---- sparse attention -------------------------------------------------------------
 
-@numba.njit(cache=True, nogil=True, inline="always")
-def _log2_if_power_of_two(n):
-    """``log2(n)`` for a power of two ``n >= 1``, else -1."""
-    if n <= 0 or n & (n - 1) != 0:
-        return -1
-    shift = 0
-    while (1 << shift) < n:
-        shift += 1
-    return shift
-
-
-@numba.njit(cache=True, nogil=True)
-def _token_starts(starts, positions, table_row, page_size, page_stride, plane_base, kv_heads, kv_head, dim):
-    """``starts[i]`` = flat index of KV head ``kv_head`` of token ``positions[i]`` in one plane
-    (``plane_base``) of the flat main cache, through the sequence's page-table row; the entries after
-    ``len(positions)`` repeat the last start (padding for the tiles' look-ahead)."""
-    shift = _log2_if_power_of_two(page_size)  # shifts instead of two integer divisions per token
-    n = positions.shape[0]
-    for i in range(n):
-        position = positions[i]
-        if shift >= 0:
-            page, slot = position >> shift, position & (page_size - 1)
-        else:
-            page, slot = position // page_size, position % page_size
-        starts[i] = table_row[page] * page_stride + plane_base + (slot * kv_heads + kv_head) * dim
-    starts[n:] = starts[n - 1] if n > 0 else 0
-
-
 @numba.njit(**PARALLEL_JIT)
 def _sparse_attention_kernel(out, lse, q, cache, page_stride, key_base, value_base, page_size, kv_heads, table,
                              indices, counts, seq_of_row, scale, gate, has_gate):
-    """One task per (row, KV head). ``cache`` is the flat main cache (``_flat_plane``);
+    """One task per (row, KV head). ``cache`` is the flat main cache (``flat_plane``);
     ``q, out [total_q, q_heads, D]``; ``lse [total_q, q_heads]`` float32.
 
     The group's query heads are the lanes of one query tile; the selected
@@ -337,7 +281,7 @@ def _sparse_attention_kernel(out, lse, q, cache, page_stride, key_base, value_ba
             put_query(q_t, h, q[r, h0 + h])
         logits = np.empty((count + KEYS_PER_TILE, lanes), np.float32)
         starts = np.empty(count + 2 * KEYS_PER_TILE, np.int64)
-        _token_starts(starts, indices[r, :count], table[b], page_size, page_stride, key_base, kv_heads, kvh, dim)
+        token_starts(starts, indices[r, :count], table[b], page_size, page_stride, key_base, kv_heads, kvh, dim)
         dots_of_gathered_rows(logits, q_t, cache, starts, count, dim, lanes, new_scratch(cache, dim))
         row_max = np.full(lanes, -np.inf, np.float32)
         for n in range(count):
@@ -371,41 +315,19 @@ def _sparse_attention_kernel(out, lse, q, cache, page_stride, key_base, value_ba
                     out_row[d] = narrow(acc_row[d] / denom[h], out)
 
 
-@numba.njit(cache=True, nogil=True)
-def _first_bad_entry(table, num_pages, page_size, indices, counts, seq_of_row):
-    """(row, entry) of the first counted position that is negative or has no valid page; (-1, -1) if none."""
-    for r in range(indices.shape[0]):
-        b = seq_of_row[r]
-        for i in range(min(counts[r], indices.shape[1])):
-            position = indices[r, i]
-            if position < 0 or position // page_size >= table.shape[1]:
-                return r, i
-            page = table[b, position // page_size]
-            if page < 0 or page >= num_pages:
-                return r, i
-    return -1, -1
-
-
-def _check_counted_entries(lookup_table, num_pages, page_size, indices, counts, seq_of_row):
-    """The reference's ``counted_entry_error`` for a negative or unpaged position inside a counted region."""
-    r, i = _first_bad_entry(lookup_table.numpy(), num_pages, page_size, indices.numpy(), counts.numpy(), seq_of_row)
-    if r >= 0:
-        raise counted_entry_error(lookup_table, num_pages, page_size, indices, counts, r, i, int(seq_of_row[r]))
-
-
 def qsa_sparse_attention_paged(out, lse, q, blocks, lookup_table, indices, counts, input_row_offsets, layer, scale,
                                gate):
     """Same contract as :func:`sparsekv.kernels.reference.qsa.qsa_sparse_attention_paged`."""
     total_q = q.shape[0]
     if total_q == 0:
         return
-    seq_of_row = _sequence_of_rows(input_row_offsets.numpy())
-    _check_counted_entries(lookup_table, blocks.shape[0], blocks.shape[3], indices, counts, seq_of_row)
+    seq_of_row = sequence_of_rows(input_row_offsets.numpy())
+    check_counted_entries(lookup_table, blocks.shape[0], blocks.shape[3], indices, counts, seq_of_row)
     target = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
     lse_target = lse if lse.is_contiguous() else torch.empty_like(lse, memory_format=torch.contiguous_format)
     gate_bits = as_numba(gate.contiguous()) if gate is not None else as_numba(q[:0])
-    cache, page_stride, key_base = _flat_plane(blocks, 0, layer)
-    value_base = _flat_plane(blocks, 1, layer)[2]
+    cache, page_stride, key_base = flat_plane(blocks, 0, layer)
+    value_base = flat_plane(blocks, 1, layer)[2]
     work = int(counts.clamp(min=0).sum()) * q.shape[1] * q.shape[2] * 2
     with threads_for(work):
         _sparse_attention_kernel(as_numba(target), lse_target.numpy(), as_numba(q.contiguous()), cache, page_stride,

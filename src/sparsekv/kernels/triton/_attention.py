@@ -64,7 +64,7 @@ def num_splits(total_q: int, kv_heads: int, width: int, block_n: int, device: to
 
 
 @triton.jit
-def _finish(acc, running_max, denom, row, heads, head_ok, dims, dim_ok,
+def finish(acc, running_max, denom, row, heads, head_ok, dims, dim_ok,
             out_ptr, lse_ptr, gate_ptr, out_stride_row, out_stride_head, gate_stride_row, gate_stride_head,
             lse_stride_row, lse_stride_head, HAS_GATE: tl.constexpr, DTYPE: tl.constexpr):
     """Normalise, gate, cast and store one row's heads; zeros and ``-inf`` where nothing was attended."""
@@ -83,7 +83,7 @@ def _finish(acc, running_max, denom, row, heads, head_ok, dims, dim_ok,
 
 
 @triton.jit
-def _split_mma(weights, values, SPLIT_SCALE: tl.constexpr):
+def split_mma(weights, values, SPLIT_SCALE: tl.constexpr):
     """``weights @ values`` for fp32 ``weights`` and 16-bit ``values``, to about fp32 precision.
 
     One cast of the weights to the values' dtype would move about a quarter of
@@ -157,7 +157,7 @@ def _attention_kernel(
         if IS_FP32:
             update = tl.dot(weights, values.to(tl.float32), input_precision="ieee")
         else:
-            update = _split_mma(weights, values, SPLIT_SCALE)
+            update = split_mma(weights, values, SPLIT_SCALE)
         acc = acc * rescale[:, None] + update
         running_max = new_max
 
@@ -167,13 +167,13 @@ def _attention_kernel(
         tl.store(part_stats_ptr + part * 2, running_max, mask=head_ok)
         tl.store(part_stats_ptr + part * 2 + 1, denom, mask=head_ok)
     else:
-        _finish(acc, running_max, denom, row, heads, head_ok, dims, dim_ok,
+        finish(acc, running_max, denom, row, heads, head_ok, dims, dim_ok,
                 out_ptr, lse_ptr, gate_ptr, out_stride_row, out_stride_head, gate_stride_row, gate_stride_head,
                 lse_stride_row, lse_stride_head, HAS_GATE, DTYPE)
 
 
 @triton.jit
-def _merge_kernel(
+def merge_kernel(
     out_ptr, lse_ptr, gate_ptr, part_acc_ptr, part_stats_ptr, num_splits,
     out_stride_row, out_stride_head, gate_stride_row, gate_stride_head, lse_stride_row, lse_stride_head,
     Q_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -199,7 +199,7 @@ def _merge_kernel(
         denom += weight * tl.load(part_stats_ptr + part * 2 + 1, mask=head_ok, other=0.0)
         acc += weight[:, None] * tl.load(part_acc_ptr + part[:, None] * BD + dims[None, :], mask=head_ok[:, None],
                                          other=0.0)
-    _finish(acc, top, denom, row, heads, head_ok, dims, dim_ok,
+    finish(acc, top, denom, row, heads, head_ok, dims, dim_ok,
             out_ptr, lse_ptr, gate_ptr, out_stride_row, out_stride_head, gate_stride_row, gate_stride_head,
             lse_stride_row, lse_stride_head, HAS_GATE, DTYPE)
 
@@ -271,7 +271,7 @@ def qsa_sparse_attention_paged(
         BN=block_n, STEPS=search_steps(num_seqs), **shared,
     )
     if splits > 1:
-        _merge_kernel[(total_q, kv_heads)](
+        merge_kernel[(total_q, kv_heads)](
             out, lse, gate_arg, part_acc, part_stats, splits,
             out.stride(0), out.stride(1), gate_arg.stride(0), gate_arg.stride(1), lse.stride(0), lse.stride(1),
             **shared,

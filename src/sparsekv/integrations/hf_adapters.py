@@ -1,0 +1,214 @@
+"""One adapter per Hugging Face model family: its indexed-attention layers as sparsekv layers.
+
+An adapter knows a family's attention class (by name), builds one sparsekv
+layer per Hugging Face attention
+module with the module's own weights (the same ``nn.Module`` objects, never
+copies), declares the cache groups those layers read and write, and runs one
+layer on a ragged batch of real (non-padding) token rows. It may also
+replace the masks Hugging Face would build (:meth:`AttentionAdapter.mask_mapping`).
+Everything else (sessions, padding, HF cache objects, ``generate``) is
+family-independent and lives in :mod:`sparsekv.integrations.transformers`,
+the only importer of this module.
+
+Families: ``qwen4_exp`` (:class:`Qwen4ExpAdapter`, QSA indexer + gated
+attention). The MLA families plug in as further subclasses of
+:class:`AttentionAdapter` listed in :data:`ADAPTERS`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.masking_utils import create_recurrent_attention_mask
+
+from ..cache.groups import BatchInputs, CacheGroupSpec
+from ..layers.config import Qwen4ExpConfig
+from ..layers.qsa import QSAAttention
+
+
+class HFRotaryTable:
+    """A ``freqs_cis`` table (SPEC 2.2) whose cos/sin come from the model's own rotary module.
+
+    Row ``p`` holds the cos/sin the Hugging Face rotary module computes for
+    position ``p`` (float32, including its ``attention_scaling``), interleaved
+    ``[cos_0, sin_0, cos_1, sin_1, ...]``, so that RoPE applied through
+    sparsekv uses exactly the model's angles. Grown on demand by doubling.
+
+    Args:
+        rotary_module: the text model's ``rotary_emb``; called as
+            ``rotary_module(x, position_ids [1, n])`` and returning ``(cos, sin)``
+            of shape ``[1, n, rotary_dim]`` whose two halves are equal (NeoX).
+        rotary_dim: channels it rotates.
+    """
+
+    def __init__(self, rotary_module: nn.Module, rotary_dim: int, device: torch.device) -> None:
+        self.rotary_module = rotary_module
+        self.rotary_dim = rotary_dim
+        self.device = device
+        self._table = torch.empty(0, rotary_dim, dtype=torch.float32, device=device)
+
+    def table(self, num_positions: int) -> torch.Tensor:
+        """``[>= num_positions, rotary_dim]`` float32 rows."""
+        if self._table.shape[0] < num_positions:
+            size = max(1024, self._table.shape[0])
+            while size < num_positions:
+                size *= 2
+            positions = torch.arange(size, device=self.device)[None, :]
+            probe = torch.empty(0, dtype=torch.float32, device=self.device)
+            with torch.no_grad():
+                cos, sin = self.rotary_module(probe, positions)
+            half = self.rotary_dim // 2
+            if cos.shape[-1] != self.rotary_dim:
+                raise ValueError(f"rotary module: expected {self.rotary_dim} rotary channels, got {cos.shape[-1]}")
+            pairs = torch.stack([cos[0, :, :half].float(), sin[0, :, :half].float()], dim=-1)
+            self._table = pairs.reshape(size, self.rotary_dim).contiguous()
+        return self._table
+
+
+class AttentionAdapter:
+    """Base of the per-family adapters.
+
+    Subclasses set ``family`` and ``attention_class_names`` and implement
+    :meth:`cache_groups` and :meth:`forward`. ``layers[i]`` is the sparsekv
+    layer of the ``i``-th patched attention module (its cache layer ``i``).
+    ``forward`` adds to ``tokens_read`` (cached tokens the sparse attention
+    read, summed over query rows and layers) and ``tokens_causal`` (what dense
+    causal attention would have read): int64 scalars on the layers' device,
+    so counting never waits for the device.
+    """
+
+    family: str = ""
+    attention_class_names: tuple[str, ...] = ()
+    #: Hugging Face cache-layer classes of the patched layers that a fresh cache may hold (replaced on adoption).
+    cache_layer_class_names: tuple[str, ...] = ("DynamicIndexedLayer",)
+
+    @classmethod
+    def matches(cls, module: nn.Module) -> bool:
+        return type(module).__name__ in cls.attention_class_names
+
+    def __init__(self, text_model: nn.Module, attentions: list[nn.Module]) -> None:
+        self.text_model = text_model
+        self.attentions = attentions
+        self.reset_read_counts()
+
+    def reset_read_counts(self) -> None:
+        device = self.attentions[0].q_proj.weight.device
+        with torch.inference_mode(False):  # plain tensors, so calls in and out of inference mode may add to them
+            self.tokens_read = torch.zeros((), dtype=torch.int64, device=device)
+            self.tokens_causal = torch.zeros((), dtype=torch.int64, device=device)
+
+    def cache_groups(self, dtype: torch.dtype) -> list[CacheGroupSpec]:
+        raise NotImplementedError
+
+    def mask_mapping(self, inputs: torch.Tensor, attention_mask: torch.Tensor | None) -> dict | None:
+        """The text model's per-layer-type masks for one call, or ``None`` to let Hugging Face build them.
+
+        ``inputs``: the call's ``input_ids [B, T]`` or ``inputs_embeds [B, T, hidden]``;
+        ``attention_mask``: its 2-d padding mask (or ``None``).
+        """
+        return None
+
+    def forward(self, ordinal: int, rows: torch.Tensor, batch: BatchInputs) -> torch.Tensor:
+        """Run patched layer ``ordinal`` on ``rows [N, hidden]`` (the batch's real tokens); ``[N, hidden]``."""
+        raise NotImplementedError
+
+
+def _config_value(config: object, name: str) -> object:
+    value = getattr(config, name, None)
+    if value is None:
+        raise ValueError(f"model config: {name!r} is not set; the indexed attention needs it")
+    return value
+
+
+class Qwen4ExpAdapter(AttentionAdapter):
+    """Qwen4Exp (``qwen4_exp_text``): QSA indexer + gated attention as :class:`sparsekv.layers.QSAAttention`.
+
+    Cache groups (co-indexed, one layer per patched module): ``"main"``
+    (keys and values, ``num_key_value_heads`` heads of ``head_dim``) and
+    ``"indexer"`` (raw indexer keys, one head of ``indexer_head_dim``).
+    RoPE uses the model's own rotary module (:class:`HFRotaryTable`), at each
+    request's own positions ``0, 1, 2, ...`` (real tokens only).
+    """
+
+    family = "qwen4_exp"
+    attention_class_names = ("Qwen4ExpTextAttention",)
+
+    def __init__(self, text_model: nn.Module, attentions: list[nn.Module]) -> None:
+        super().__init__(text_model, attentions)
+        hf = text_model.config
+        if _config_value(hf, "indexer_kv_heads") != 1:
+            raise ValueError(f"model config: indexer_kv_heads must be 1 for QSA, got {hf.indexer_kv_heads}")
+        rope = dict(getattr(hf, "rope_parameters", None) or {})
+        rotary = getattr(text_model, "rotary_emb", None)
+        if rotary is None or not hasattr(rotary, "inv_freq"):
+            raise ValueError("model: the text model has no rotary_emb module with inv_freq")
+        rope_type = getattr(rotary, "rope_type", "default")
+        if "dynamic" in rope_type or rope_type == "longrope":
+            raise NotImplementedError(f"RoPE type {rope_type!r} changes its frequencies with the sequence "
+                                      "length; the patched attention supports position-independent RoPE only")
+        self.config = Qwen4ExpConfig(
+            hidden_size=hf.hidden_size,
+            num_hidden_layers=hf.num_hidden_layers,
+            num_attention_heads=hf.num_attention_heads,
+            num_key_value_heads=hf.num_key_value_heads,
+            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
+            partial_rotary_factor=float(rope.get("partial_rotary_factor", 1.0)),
+            rope_theta=float(rope.get("rope_theta", 1e7)),
+            rms_norm_eps=float(hf.rms_norm_eps),
+            attention_bias=bool(hf.attention_bias),
+            indexer_n_heads=_config_value(hf, "indexer_n_heads"),
+            indexer_head_dim=_config_value(hf, "indexer_head_dim"),
+            indexer_compress_ratio=_config_value(hf, "indexer_compress_ratio"),
+            indexer_budget=_config_value(hf, "indexer_budget"),
+            qsa_layers=tuple(module.layer_idx for module in attentions),
+        )
+        rotary_dim = 2 * rotary.inv_freq.numel()
+        if rotary_dim != self.config.rotary_dim:
+            raise ValueError(f"model: the rotary module rotates {rotary_dim} channels but head_dim * "
+                             f"partial_rotary_factor is {self.config.rotary_dim}")
+        self.device = attentions[0].q_proj.weight.device
+        self.rotary = HFRotaryTable(rotary, rotary_dim, self.device)
+        self.layers = [self._build(module) for module in attentions]
+
+    def _build(self, module: nn.Module) -> QSAAttention:
+        """A :class:`QSAAttention` whose submodules are ``module``'s own (weights shared, nothing copied)."""
+        layer = QSAAttention(self.config, dtype=module.q_proj.weight.dtype, device="meta")
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"):
+            setattr(layer, name, getattr(module, name))
+        for name in ("index_qk_proj", "q_layernorm", "k_layernorm"):
+            setattr(layer.indexer, name, getattr(module.indexer, name))
+        layer.rotary = self.rotary
+        left = [name for name, tensor in layer.state_dict().items() if tensor.is_meta]
+        if left:
+            raise RuntimeError(f"adapter: the QSA layer still has unshared weights {left}")
+        return layer
+
+    def cache_groups(self, dtype: torch.dtype) -> list[CacheGroupSpec]:
+        cfg, count = self.config, len(self.layers)
+        return [CacheGroupSpec("main", 2, count, cfg.num_key_value_heads, cfg.head_dim, dtype),
+                CacheGroupSpec("indexer", 1, count, 1, cfg.indexer_head_dim, dtype)]
+
+    def mask_mapping(self, inputs: torch.Tensor, attention_mask: torch.Tensor | None) -> dict:
+        """Hugging Face's masks without the dense ``[B, 1, T, past + T]`` one of the indexed layers.
+
+        The patched layers read no mask (the 2-d padding mask is checked and
+        applied when the call is planned), so building it would only cost
+        ``O(T * (past + T))`` memory per call; the linear-attention layers get
+        Hugging Face's own recurrent mask.
+        """
+        return {"indexed_attention": None,
+                "linear_attention": create_recurrent_attention_mask(self.text_model.config, inputs, attention_mask)}
+
+    def forward(self, ordinal: int, rows: torch.Tensor, batch: BatchInputs) -> torch.Tensor:
+        result = self.layers[ordinal](rows, input_row_offsets=batch.input_row_offsets,
+                                      kv_cache=batch.collection("main"), index_cache=batch.collection("indexer"),
+                                      cache_layer=ordinal)
+        self.tokens_read += result.counts.sum(dtype=torch.int64)
+        self.tokens_causal += result.positions.sum(dtype=torch.int64) + result.positions.numel()
+        return result.output
+
+
+#: Every family adapter, tried in order on each module of a model.
+ADAPTERS: tuple[type[AttentionAdapter], ...] = (Qwen4ExpAdapter,)
+
+__all__ = ["ADAPTERS", "AttentionAdapter", "HFRotaryTable", "Qwen4ExpAdapter"]

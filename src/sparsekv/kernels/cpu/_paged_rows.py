@@ -1,0 +1,64 @@
+"""Paged rows as the CPU kernels of several families read them: the cache as one flat array, each row's
+sequence, and the flat starts of selected tokens (numba, on host arrays)."""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+
+from ._bits import as_numba
+
+
+def flat_plane(blocks: torch.Tensor, plane: int, layer: int) -> tuple[np.ndarray, int, int]:
+    """``blocks``' memory as one flat array, its page stride, and where (plane, layer) starts in a page.
+
+    Element (page, row, head, channel) of that plane and layer is
+    ``flat[page*page_stride + base + (row*heads + head)*D + channel]``. A flat
+    array lets LLVM vectorise the channel loops, which it cannot do through a
+    strided 6-d view whose innermost stride is only known at run time.
+    """
+    pages, kv, layers, page_size, heads, dim = blocks.shape
+    span = (pages - 1) * blocks.stride(0) + kv * layers * page_size * heads * dim
+    flat = blocks.as_strided((span,), (1,))
+    return as_numba(flat), blocks.stride(0), (plane * layers + layer) * page_size * heads * dim
+
+
+@numba.njit(cache=True, nogil=True)
+def sequence_of_rows(offsets):
+    """``[total_q]`` sequence id of every row of ``[B+1]`` row offsets (a loop, not a torch op:
+    torch's parallel ops would fight numba's threads for the cores on small inputs)."""
+    batch = offsets.shape[0] - 1
+    seq_of_row = np.empty(offsets[batch], np.int64)
+    for b in range(batch):
+        for r in range(offsets[b], offsets[b + 1]):
+            seq_of_row[r] = b
+    return seq_of_row
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _log2_if_power_of_two(n):
+    """``log2(n)`` for a power of two ``n >= 1``, else -1."""
+    if n <= 0 or n & (n - 1) != 0:
+        return -1
+    shift = 0
+    while (1 << shift) < n:
+        shift += 1
+    return shift
+
+
+@numba.njit(cache=True, nogil=True)
+def token_starts(starts, positions, table_row, page_size, page_stride, plane_base, kv_heads, kv_head, dim):
+    """``starts[i]`` = flat index of KV head ``kv_head`` of token ``positions[i]`` in one plane
+    (``plane_base``) of the flat main cache, through the sequence's page-table row; the entries after
+    ``len(positions)`` repeat the last start (padding for the tiles' look-ahead)."""
+    shift = _log2_if_power_of_two(page_size)  # shifts instead of two integer divisions per token
+    n = positions.shape[0]
+    for i in range(n):
+        position = positions[i]
+        if shift >= 0:
+            page, slot = position >> shift, position & (page_size - 1)
+        else:
+            page, slot = position // page_size, position % page_size
+        starts[i] = table_row[page] * page_stride + plane_base + (slot * kv_heads + kv_head) * dim
+    starts[n:] = starts[n - 1] if n > 0 else 0

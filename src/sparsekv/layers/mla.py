@@ -1,0 +1,278 @@
+"""MLA sparse attention of GLM-5-Next, GLM-5 and DeepSeek-V3.2 on a paged latent cache (SPEC 3.4).
+
+Weight names are Hugging Face's (checkpoint prefix ``model.layers.N.self_attn.``)::
+
+    q_a_proj.weight            [q_lora_rank, hidden]          (+ .bias with attention_bias)
+    q_a_layernorm.weight       [q_lora_rank]                  RMSNorm
+    q_b_proj.weight            [heads * (qk_nope_head_dim + qk_rope_head_dim), q_lora_rank]
+    kv_a_proj_with_mqa.weight  [kv_lora_rank + qk_rope_head_dim, hidden]   (+ .bias)
+    kv_a_layernorm.weight      [kv_lora_rank]                 RMSNorm
+    kv_b_proj.weight           [heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank]
+    o_proj.weight              [hidden, heads * v_head_dim]   (+ .bias)
+    indexer.*                  (layers whose indexer_types entry is "full"; see ``layers/kpool.py``)
+
+One call, for a ragged batch (the order of HF's modeling code):
+
+1. ``q_latent = q_a_layernorm(q_a_proj(x))``; ``q = q_b_proj(q_latent)`` split per
+   head into ``q_nope`` (first ``qk_nope_head_dim``) and ``q_rope``;
+2. ``kv_a_proj_with_mqa(x)`` split into ``kv_pass`` (``kv_lora_rank``) and the
+   rope key; ``c = kv_a_layernorm(kv_pass)``;
+3. interleaved RoPE on ``q_rope`` and the rope key at each row's position
+   (``sparsekv.layers.dsa``; GLM-5-Next is NoPE);
+4. the latent row ``[c, rope key]`` of every new token goes into the latent
+   cache (one head of ``kv_lora_rank + qk_rope_head_dim`` channels, ``KV = 1``);
+5. the selection: this layer's indexer, or (a ``"shared"`` layer) the
+   selection of the previous full layer, passed in;
+6. attention over the selected latent rows, softmax scale ``qk_head_dim**-0.5``
+   (times YaRN's ``mscale_all_dim`` correction squared, as HF):
+
+   * ``"absorbed"`` (decode): ``q_lat = [q_nope @ W_uk, q_rope]`` per head (W_uk
+     = the key half of ``kv_b_proj``, float32 math, cast), then
+     ``sparsekv.mla_sparse_attention_paged`` gives ``o_lat`` (``kv_lora_rank``
+     channels per head), then ``o = o_lat @ W_uv^T`` (float32 math, cast);
+   * ``"expanded"``: HF's form: ``kv_b_proj`` applied to every cached latent
+     row of the sequence, keys ``[k_nope, rope key]``, dense attention masked to
+     the selection (float32 math), which is faster while histories are short
+     (docs/spec-notes.md);
+
+7. ``o_proj``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from ..cache.layout import PagedKVCacheCollection
+from ..ops.mla import mla_sparse_attention_paged
+from .config import MlaConfig
+from .dsa import apply_rope, rope_cos_sin, rope_inv_freq
+from .kpool import KPoolIndexer, KPoolResult, RMSNorm
+from ._common import StageTimerLike, batch_positions, frozen_linear, no_timer
+
+MODES = ("absorbed", "expanded")
+
+
+class MlaResult(NamedTuple):
+    """One layer call."""
+
+    output: torch.Tensor  # [T, hidden]
+    attention: torch.Tensor  # [T, heads, v_head_dim]: per-head attention output, before o_proj
+    indices: torch.Tensor  # [T, width] int32 selected positions, -1 padded
+    counts: torch.Tensor  # [T] int32
+    latent: torch.Tensor  # [T, kv_lora_rank + qk_rope_head_dim]: the rows this call stored
+    positions: torch.Tensor  # [T] int32
+    indexer: KPoolResult | None  # the layer's own indexer call (None on a shared layer)
+
+
+class MlaSparseAttention(nn.Module):
+    """One MLA attention layer of an MLA + DSA model, reading only the tokens its selection names.
+
+    Args:
+        config: a ``glm5_next``, ``glm_moe_dsa`` or ``deepseek_v32`` config.
+        layer_id: the model layer (one of ``config.index_layers``): it has an
+            indexer unless ``config.indexer_types[layer_id] == "shared"``.
+        dtype, device: of the weights; the caches must share the dtype.
+
+    Call with a ragged batch ``hidden_states [T, hidden]``, ``input_row_offsets
+    [B+1]``, the latent cache (``latent_cache``, layer ``cache_layer``) holding
+    each sequence's ``cache_lengths`` tokens, and either the indexer's caches
+    (``index_cache`` / ``index_layer``, ``ring`` / ``slot_ids`` as for
+    :class:`KPoolIndexer`) or, on a shared layer, ``selection = (indices,
+    counts)`` of the previous full layer.
+
+    Example (GLM-5 shapes, one sequence with 5 cached tokens decoding one)::
+
+        result = layer(hidden[None, 0], input_row_offsets=torch.tensor([0, 1]), latent_cache=latent,
+                       cache_layer=0, index_cache=pooled, index_layer=0)
+        result.output.shape  # (1, hidden); result.counts == [6]: every causal token (6 <= index_topk)
+    """
+
+    def __init__(self, config: MlaConfig, layer_id: int, *, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        if layer_id not in config.index_layers:
+            raise ValueError(f"layer_id: {layer_id} is not an indexed attention layer ({config.index_layers})")
+        self.config = config
+        self.layer_id = layer_id
+        self.num_heads = config.num_attention_heads
+        self.nope_dim, self.rope_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
+        self.v_head_dim, self.kv_lora_rank = config.v_head_dim, config.kv_lora_rank
+        self.scale = config.softmax_scale
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.q_a_proj = frozen_linear(hidden, config.q_lora_rank, bias, dtype, device)
+        self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.latent_eps, dtype=dtype, device=device)
+        self.q_b_proj = frozen_linear(config.q_lora_rank, self.num_heads * config.qk_head_dim, False, dtype, device)
+        self.kv_a_proj_with_mqa = frozen_linear(hidden, config.latent_dim, bias, dtype, device)
+        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, config.latent_eps, dtype=dtype, device=device)
+        self.kv_b_proj = frozen_linear(config.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_head_dim), False,
+                                 dtype, device)
+        self.o_proj = frozen_linear(self.num_heads * self.v_head_dim, hidden, bias, dtype, device)
+        inv_freq, self.rope_attention_factor = rope_inv_freq(max(self.rope_dim, 2), config.rope_theta,
+                                                             dict(config.rope_yarn or ()), device)
+        self.register_buffer("rope_inv_freq", inv_freq, persistent=False)
+        shared = config.indexer_types[layer_id] == "shared"
+        self.indexer = None if shared else KPoolIndexer(config, dtype=dtype, device=device)
+
+    def _kv_b_halves(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(W_uk [H, nope, r], W_uv [H, v, r])`` float32 views of ``kv_b_proj``."""
+        weight = self.kv_b_proj.weight.float().reshape(self.num_heads, self.nope_dim + self.v_head_dim,
+                                                       self.kv_lora_rank)
+        return weight[:, :self.nope_dim], weight[:, self.nope_dim:]
+
+    def forward(self, hidden_states: torch.Tensor, *, input_row_offsets: torch.Tensor,
+                latent_cache: PagedKVCacheCollection, cache_layer: int,
+                index_cache: PagedKVCacheCollection | None = None, index_layer: int | None = None,
+                ring: torch.Tensor | None = None, slot_ids: torch.Tensor | None = None,
+                selection: tuple[torch.Tensor, torch.Tensor] | None = None, mode: str = "absorbed",
+                timer: StageTimerLike = no_timer) -> MlaResult:
+        """Run the layer (module docstring); ``mode`` is ``"absorbed"`` or ``"expanded"``."""
+        if mode not in MODES:
+            raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+        if self.indexer is None and selection is None:
+            raise ValueError(f"selection: layer {self.layer_id} is a shared indexer layer; pass the (indices, counts) "
+                             "of the previous full layer")
+        if self.indexer is not None and (index_cache is None or index_layer is None):
+            raise ValueError(f"index_cache, index_layer: layer {self.layer_id} runs its own indexer and needs them")
+        tokens = hidden_states.shape[0]
+        offsets = input_row_offsets.to(hidden_states.device)
+        cache_lengths = latent_cache.cache_lengths
+        positions = batch_positions(offsets, cache_lengths.to(hidden_states.device))
+        with timer("mla.project"):
+            q_latent = self.q_a_layernorm(self.q_a_proj(hidden_states))
+            q = self.q_b_proj(q_latent).reshape(tokens, self.num_heads, self.nope_dim + self.rope_dim)
+            q_nope, q_rope = q[..., :self.nope_dim], q[..., self.nope_dim:]
+            compressed = self.kv_a_proj_with_mqa(hidden_states)
+            kv_pass, k_rope = compressed[:, :self.kv_lora_rank], compressed[:, self.kv_lora_rank:]
+            latent_c = self.kv_a_layernorm(kv_pass)
+            if self.rope_dim:
+                cos, sin = rope_cos_sin(positions, self.rope_inv_freq, self.rope_attention_factor, q.dtype)
+                q_rope = apply_rope(q_rope, cos, sin, "interleave")
+                k_rope = apply_rope(k_rope, cos, sin, "interleave")
+            latent = torch.cat([latent_c, k_rope], dim=-1)
+        with timer("cache.store"):
+            latent_cache.get_key_cache(cache_layer).store(latent[:, None, :], offsets)
+        indexed = None
+        if self.indexer is not None:
+            indexed = self.indexer(hidden_states, q_latent, input_row_offsets=offsets, cache_lengths=cache_lengths,
+                                   ring=ring, slot_ids=slot_ids, pooled_cache=index_cache, cache_layer=index_layer,
+                                   timer=timer)
+            indices, counts = indexed.indices, indexed.counts
+        else:
+            indices, counts = selection
+        w_uk, w_uv = self._kv_b_halves()
+        with timer("mla.attention"):
+            if mode == "absorbed":
+                q_absorbed = torch.einsum("thn,hnr->thr", q_nope.float(), w_uk).to(q.dtype)
+                q_lat = torch.cat([q_absorbed, q_rope], dim=-1)
+                o_lat = mla_sparse_attention_paged(q_lat, latent_cache, cache_layer, indices, counts, offsets,
+                                                   scale=self.scale, v_head_dim=self.kv_lora_rank)
+                attended = torch.einsum("thr,hvr->thv", o_lat.float(), w_uv).to(q.dtype)
+            else:
+                attended = self._expanded(q_nope, q_rope, latent_cache, cache_layer, indices, counts, offsets)
+        with timer("mla.o_proj"):
+            output = self.o_proj(attended.reshape(tokens, self.num_heads * self.v_head_dim))
+        return MlaResult(output, attended, indices, counts, latent, positions, indexed)
+
+    def _expanded(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent_cache: PagedKVCacheCollection,
+                  cache_layer: int, indices: torch.Tensor, counts: torch.Tensor, offsets: torch.Tensor,
+                  row_chunk: int = 256) -> torch.Tensor:
+        """HF's expanded form: keys and values of every cached row of each sequence, attention masked to the selection.
+
+        A selected position counts once (the selections never repeat one).
+        Returns ``[T, heads, v_head_dim]`` in q's dtype.
+        """
+        host_offsets = offsets.to(torch.int64).cpu()
+        host_lengths = latent_cache.cache_lengths.to(torch.int64).cpu()
+        rows = latent_cache.get_key_cache(cache_layer)
+        out = q_nope.new_zeros(q_nope.shape[0], self.num_heads, self.v_head_dim)
+        kv_b = self.kv_b_proj.weight.float()
+        for b in range(host_offsets.shape[0] - 1):
+            start, end = int(host_offsets[b]), int(host_offsets[b + 1])
+            if start == end:
+                continue
+            held = int(host_lengths[b]) + end - start
+            history = rows.load(b, torch.arange(held, device=q_nope.device))[:, 0].float()  # [n, r + rope]
+            kv = (history[:, :self.kv_lora_rank] @ kv_b.T).reshape(held, self.num_heads, -1)
+            keys = torch.cat([kv[..., :self.nope_dim],
+                              history[:, None, self.kv_lora_rank:].expand(-1, self.num_heads, -1)], dim=-1)
+            values = kv[..., self.nope_dim:]
+            for first in range(start, end, row_chunk):
+                last = min(first + row_chunk, end)
+                query = torch.cat([q_nope[first:last], q_rope[first:last]], dim=-1).float()
+                logits = torch.einsum("thd,nhd->htn", query, keys) * self.scale
+                width = indices.shape[1]
+                counted = torch.arange(width, device=indices.device)[None, :] < counts[first:last, None]
+                chosen = torch.where(counted, indices[first:last].long(), held)
+                mask = torch.zeros(last - first, held + 1, dtype=torch.bool, device=q_nope.device)
+                mask.scatter_(1, chosen, True)
+                logits = logits.masked_fill(~mask[None, :, :held], float("-inf"))
+                probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # a row with nothing selected gives zeros
+                out[first:last] = torch.einsum("htn,nhv->thv", probs, values).to(out.dtype)
+        return out
+
+
+class MlaSlice(nn.Module):
+    """The MLA attention layers of an MLA + DSA model over a token embedding, with input norms and residuals.
+
+    ``model.embed_tokens.weight`` feeds a residual stream through each layer
+    ``N`` of ``config.index_layers``: ``h = h + attn(input_layernorm(h))``
+    (``model.layers.N.input_layernorm.weight``, RMSNorm with ``rms_norm_eps``).
+    The other parts of the real model (MLPs, linear attention, hyper-connections)
+    are not in the slice. Latent cache layer ``i`` belongs to the ``i``-th
+    indexed layer, indexer cache layer and ring ``j`` to the ``j``-th layer that
+    runs its own indexer (``sparsekv.layers.dsa.mla_cache_groups``); a shared
+    layer reuses the selection of the last full layer before it.
+    """
+
+    def __init__(self, config: MlaConfig, vocab_size: int, *, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens.requires_grad_(False)
+        self.input_layernorms = nn.ModuleList(
+            RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device) for _ in config.index_layers)
+        self.attentions = nn.ModuleList(MlaSparseAttention(config, n, dtype=dtype, device=device)
+                                        for n in config.index_layers)
+
+    def checkpoint_modules(self) -> list[tuple[nn.Module, str]]:
+        """``(module, checkpoint prefix)`` pairs covering every weight of the slice."""
+        pairs: list[tuple[nn.Module, str]] = [(self.embed_tokens, "model.embed_tokens.")]
+        for layer_id, norm, attention in zip(self.config.index_layers, self.input_layernorms, self.attentions):
+            pairs.append((norm, f"model.layers.{layer_id}.input_layernorm."))
+            pairs.append((attention, f"model.layers.{layer_id}.self_attn."))
+        return pairs
+
+    def new_rings(self, max_slots: int) -> list[torch.Tensor]:
+        """One zeroed ring per layer that runs its own indexer."""
+        return [a.indexer.new_ring(max_slots) for a in self.attentions if a.indexer is not None]
+
+    def forward(self, token_ids: torch.Tensor, *, input_row_offsets: torch.Tensor,
+                latent_cache: PagedKVCacheCollection, index_cache: PagedKVCacheCollection,
+                rings: list[torch.Tensor] | None = None, slot_ids: torch.Tensor | None = None,
+                mode: str = "absorbed", timer: StageTimerLike = no_timer) -> tuple[torch.Tensor, list[MlaResult]]:
+        """``token_ids [T]`` of a ragged batch -> (final hidden ``[T, hidden]``, one result per layer)."""
+        with timer("embed"):
+            hidden = self.embed_tokens(token_ids)
+        results: list[MlaResult] = []
+        selection = None
+        index_layer = 0
+        for cache_layer, (norm, attention) in enumerate(zip(self.input_layernorms, self.attentions)):
+            own = attention.indexer is not None
+            ring = rings[index_layer] if own and rings is not None else None
+            result = attention(norm(hidden), input_row_offsets=input_row_offsets, latent_cache=latent_cache,
+                               cache_layer=cache_layer, index_cache=index_cache if own else None,
+                               index_layer=index_layer if own else None, ring=ring, slot_ids=slot_ids,
+                               selection=None if own else selection, mode=mode, timer=timer)
+            if own:
+                selection = (result.indices, result.counts)
+                index_layer += 1
+            hidden = hidden + result.output
+            results.append(result)
+        return hidden, results
+
+
+__all__ = ["MODES", "MlaResult", "MlaSlice", "MlaSparseAttention"]
