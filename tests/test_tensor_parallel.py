@@ -21,9 +21,14 @@ import torch.distributed as dist
 from sparsekv.demo import seed_parameters
 from sparsekv.demo_tp import (RankError, TPCheckOptions, compare_records, format_tp_report, launch, summarize,
                                tp_records)
+from sparsekv.cache.manager import PagedKVCacheManager
 from sparsekv.layers import QSAAttention, Qwen4ExpConfig
-from sparsekv.layers.checkpoint import CheckpointReader, module_state, save_checkpoint
-from sparsekv.layers.tensor_parallel import RankSliceReader, TensorParallelGroup, head_range, kv_head_range
+from sparsekv.layers.checkpoint import CheckpointReader, module_state, save_checkpoint, slice_state
+from sparsekv.layers.config import GlmMoeDsaConfig
+from sparsekv.layers.dsa import mla_cache_groups
+from sparsekv.layers.mla import MlaSlice
+from sparsekv.layers.tensor_parallel import (RankSliceReader, TensorParallelGroup, head_range, kv_head_range,
+                                             load_tensor_parallel_weights)
 
 TINY = Qwen4ExpConfig(hidden_size=48, num_hidden_layers=2, qsa_layers=(0, 1), num_attention_heads=4,
                       num_key_value_heads=2, head_dim=16, partial_rotary_factor=0.5, rope_theta=1e4,
@@ -218,9 +223,6 @@ def test_check_identical_raises_when_ranks_diverge():
 # MLA: heads of q_b_proj / kv_b_proj / o_proj sharded, latent cache replicated
 # ---------------------------------------------------------------------------
 def _mla_run(model, config, tokens, chunks, mode):
-    from sparsekv.cache.manager import PagedKVCacheManager
-    from sparsekv.layers.dsa import mla_cache_groups
-
     manager = PagedKVCacheManager(mla_cache_groups(config, torch.float32), page_size=8, num_pages=16)
     manager.claim("r")
     done, outputs, selections = 0, [], []
@@ -239,10 +241,6 @@ def _mla_run(model, config, tokens, chunks, mode):
 
 
 def _mla_rank(process_group, config):
-    from sparsekv.layers.checkpoint import slice_state
-    from sparsekv.layers.mla import MlaSlice
-    from sparsekv.layers.tensor_parallel import load_tensor_parallel_weights
-
     single = MlaSlice(config, 50)
     seed_parameters(single, 6)
     sharded = MlaSlice(config, 50, process_group=process_group)
@@ -261,13 +259,6 @@ def _mla_rank(process_group, config):
 
 
 def test_mla_two_ranks_equal_one_process():
-    import inspect
-
-    mla = pytest.importorskip("sparsekv.layers.mla")
-    if "process_group" not in inspect.signature(mla.MlaSparseAttention).parameters:
-        pytest.skip("this MLA layer takes no process group")
-    from sparsekv.layers.config import GlmMoeDsaConfig
-
     config = GlmMoeDsaConfig(hidden_size=40, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
                              q_lora_rank=24, kv_lora_rank=20, qk_rope_head_dim=8, qk_nope_head_dim=12,
                              v_head_dim=10, index_n_heads=4, index_head_dim=16, index_topk=9,

@@ -36,6 +36,12 @@ One call, for a ragged batch (the order of HF's modeling code):
      (docs/spec-notes.md);
 
 7. ``o_proj``.
+
+Tensor parallel (``process_group``, ``layers/tensor_parallel.py``): a rank
+holds its heads' rows of ``q_b_proj`` and ``kv_b_proj`` (column-parallel) and
+columns of ``o_proj`` (row-parallel, one all-reduce). ``q_a_proj``,
+``kv_a_proj_with_mqa``, their norms and the indexer are replicated, and so is
+the latent cache: a latent row belongs to a token, not to a head.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..cache.layout import PagedKVCacheCollection
@@ -51,6 +58,7 @@ from .config import MlaConfig
 from .dsa import apply_rope, rope_cos_sin, rope_inv_freq
 from .kpool import KPoolIndexer, KPoolResult, RMSNorm
 from ._common import StageTimerLike, batch_positions, frozen_linear, no_timer
+from .tensor_parallel import TensorParallelGroup, WeightSlice, head_slice
 
 MODES = ("absorbed", "expanded")
 
@@ -75,6 +83,8 @@ class MlaSparseAttention(nn.Module):
         layer_id: the model layer (one of ``config.index_layers``): it has an
             indexer unless ``config.indexer_types[layer_id] == "shared"``.
         dtype, device: of the weights; the caches must share the dtype.
+        process_group: shard the heads over this ``torch.distributed`` group
+            (``None``: one process); ``num_heads`` is then this rank's.
 
     Call with a ragged batch ``hidden_states [T, hidden]``, ``input_row_offsets
     [B+1]``, the latent cache (``latent_cache``, layer ``cache_layer``) holding
@@ -91,13 +101,16 @@ class MlaSparseAttention(nn.Module):
     """
 
     def __init__(self, config: MlaConfig, layer_id: int, *, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None,
+                 process_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         if layer_id not in config.index_layers:
             raise ValueError(f"layer_id: {layer_id} is not an indexed attention layer ({config.index_layers})")
         self.config = config
         self.layer_id = layer_id
-        self.num_heads = config.num_attention_heads
+        self.tensor_parallel = TensorParallelGroup(process_group)
+        self.heads = self.tensor_parallel.heads(config.num_attention_heads)
+        self.num_heads = len(self.heads)
         self.nope_dim, self.rope_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
         self.v_head_dim, self.kv_lora_rank = config.v_head_dim, config.kv_lora_rank
         self.scale = config.softmax_scale
@@ -173,8 +186,17 @@ class MlaSparseAttention(nn.Module):
             else:
                 attended = self._expanded(q_nope, q_rope, latent_cache, cache_layer, indices, counts, offsets)
         with timer("mla.o_proj"):
-            output = self.o_proj(attended.reshape(tokens, self.num_heads * self.v_head_dim))
+            output = self.tensor_parallel.partial_linear(self.o_proj,
+                                                         attended.reshape(tokens, self.num_heads * self.v_head_dim))
+        output = self.tensor_parallel.all_reduce_sum(output, self.o_proj.bias, timer)
         return MlaResult(output, attended, indices, counts, latent, positions, indexed)
+
+    def tensor_parallel_slices(self) -> dict[str, WeightSlice]:
+        """The checkpoint slices this rank holds (names relative to the layer); the rest is replicated."""
+        heads, total = self.heads, self.config.num_attention_heads
+        return {"q_b_proj.weight": head_slice(heads, self.nope_dim + self.rope_dim, total),
+                "kv_b_proj.weight": head_slice(heads, self.nope_dim + self.v_head_dim, total),
+                "o_proj.weight": head_slice(heads, self.v_head_dim, total, dim=1)}
 
     def _expanded(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent_cache: PagedKVCacheCollection,
                   cache_layer: int, indices: torch.Tensor, counts: torch.Tensor, offsets: torch.Tensor,
@@ -228,14 +250,16 @@ class MlaSlice(nn.Module):
     """
 
     def __init__(self, config: MlaConfig, vocab_size: int, *, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None,
+                 process_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.embed_tokens.requires_grad_(False)
         self.input_layernorms = nn.ModuleList(
             RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device) for _ in config.index_layers)
-        self.attentions = nn.ModuleList(MlaSparseAttention(config, n, dtype=dtype, device=device)
+        self.attentions = nn.ModuleList(MlaSparseAttention(config, n, dtype=dtype, device=device,
+                                                           process_group=process_group)
                                         for n in config.index_layers)
 
     def checkpoint_modules(self) -> list[tuple[nn.Module, str]]:
