@@ -245,15 +245,16 @@ def _attention_forward(state: PatchState, ordinal: int):
         plan = call.plan_for(past_key_values)
         batch, tokens, hidden = hidden_states.shape
         flat = hidden_states.reshape(batch * tokens, hidden)
+        scratch = plan.generation.adapter_scratch
         if plan.row_index is None:
-            output = adapter.forward(ordinal, flat, plan.batch).view(batch, tokens, -1)
+            output = adapter.forward(ordinal, flat, plan.batch, scratch).view(batch, tokens, -1)
         else:
             output = flat.new_zeros(batch * tokens, hidden)
             if plan.row_index.numel():
                 rows = flat.index_select(0, plan.row_index)
-                output.index_copy_(0, plan.row_index, adapter.forward(ordinal, rows, plan.batch))
+                output.index_copy_(0, plan.row_index, adapter.forward(ordinal, rows, plan.batch, scratch))
             output = output.view(batch, tokens, hidden)
-        return output, None
+        return (output,) + (None,) * (adapter.output_arity - 1)
 
     return forward
 
@@ -340,7 +341,7 @@ def patch_model(model: nn.Module, *, page_size: int = 64, num_pages: int = 512,
     text_model, adapter_cls, attentions = _find_text_model(model)
     if getattr(model, _STATE_ATTR, None) is not None or getattr(text_model, _STATE_ATTR, None) is not None:
         raise ValueError("model: already patched; call unpatch_model first")
-    weights = [module.q_proj.weight for module in attentions]
+    weights = [adapter_cls.weight_of(module) for module in attentions]
     dtypes, devices = {w.dtype for w in weights}, {w.device for w in weights}
     if len(dtypes) != 1 or len(devices) != 1:
         raise ValueError(f"model: the indexed-attention weights span dtypes {sorted(map(str, dtypes))} and devices "
