@@ -124,7 +124,7 @@ def assert_no_pages(model) -> None:
 
 
 def record_boundary_gaps(adapter) -> list[float]:
-    """Hook every sparsekv indexer: per query row that prunes, the gap between its last kept and first dropped pool score."""
+    """Hook every sparsekv indexer: per pruning query row, the relative gap between last kept and first dropped pool."""
     gaps: list[float] = []
 
     def hook(indexer, _inputs, result):

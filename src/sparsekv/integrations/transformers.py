@@ -3,7 +3,7 @@
 ``pip install -e ".[hf]"``; this module imports transformers, the rest of
 sparsekv never does.
 
-    model = AutoModelForCausalLM.from_pretrained(path)     # Qwen4Exp (``qwen4_exp_text``)
+    model = AutoModelForCausalLM.from_pretrained(path)     # GLM-5-Next: AutoModelForImageTextToText
     patch_model(model, page_size=64, num_pages=512)         # in place; returns the model
     out = model.generate(input_ids, attention_mask=mask, max_new_tokens=32)
     get_manager(model).metrics()                             # every page is free again
@@ -322,12 +322,14 @@ def patch_model(model: nn.Module, *, page_size: int = 64, num_pages: int = 512,
     """Run ``model``'s indexed-attention layers through sparsekv, in place; returns ``model``.
 
     Args:
-        model: a ``*ForCausalLM`` or a bare text model of a supported family
-            (Qwen4Exp), in eval mode or under ``torch.no_grad()``.
+        model: a ``*ForCausalLM`` (GLM-5-Next: ``Glm5NextForConditionalGeneration``)
+            or a bare text model of a supported family (Qwen4Exp, GLM-5-Next,
+            GLM-5, DeepSeek-V3.2), in eval mode or under ``torch.no_grad()``.
         page_size: tokens per cache page (default 64).
         num_pages: pages in the manager (default 512, i.e. 32768 cached tokens
-            over all live sequences); every patched layer's keys, values and
-            indexer keys of one token range share one page id.
+            over all live sequences); every patched layer's cache rows of one
+            token range share one page id. MLA families: a multiple of
+            ``index_kpool``.
         device: where the pages live; must be the attention weights' device
             (the default).
 
