@@ -3,7 +3,10 @@
     sparsekv generate --model DIR --prompt-tokens N --new-tokens M [--dtype bf16] [--batch B]
 
 ``DIR`` holds ``config.json`` and safetensors of a supported family (no hub
-access). The prompt is ``B`` rows of ``N`` random token ids (seeded); decoding
+access), loaded as ``AutoModelForCausalLM`` or, for a family that generates
+through its multimodal class (GLM-5-Next), ``AutoModelForImageTextToText``;
+"pages used" counts the family's main cache group (keys and values, or MLA
+latent rows). The prompt is ``B`` rows of ``N`` random token ids (seeded); decoding
 is greedy, one token per step through the model's cache. The report: prefill
 and decode tokens/s, the most pages in use, and the sparse-read fraction (the
 cached tokens the sparse attention read over what dense causal attention would
@@ -88,14 +91,19 @@ def run_generate(model_dir: str | os.PathLike, *, prompt_tokens: int, new_tokens
     try:
         import torch
         from tqdm import tqdm
-        from transformers import AutoModelForCausalLM, DynamicCache
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, DynamicCache
 
         from .transformers import end_generation, get_manager, patch_model
     except ImportError as err:
         raise GenerateError(f"sparsekv generate needs transformers: pip install -e \".[hf]\" ({err})") from None
 
     torch_dtype = getattr(torch, DTYPE_NAMES[dtype])
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype, local_files_only=True)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype, local_files_only=True)
+    except ValueError as err:  # GLM-5-Next generates through its image-text-to-text class
+        if "Unrecognized configuration class" not in str(err):
+            raise
+        model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch_dtype, local_files_only=True)
     model = model.to(device).eval()
     num_pages = batch * -(-(prompt_tokens + new_tokens) // page_size) + 1
     patch_model(model, page_size=page_size, num_pages=num_pages)
@@ -122,7 +130,7 @@ def run_generate(model_dir: str | os.PathLike, *, prompt_tokens: int, new_tokens
             token = logits[:, -1].argmax(-1, keepdim=True)
         _ = token.tolist()
         decode = time.perf_counter() - start
-        pages_used = manager.metrics().groups["main"].pages_used
+        pages_used = manager.metrics().groups[adapter.main_group].pages_used
     causal = int(adapter.tokens_causal)
     end_generation(cache)
     return GenerateReport(

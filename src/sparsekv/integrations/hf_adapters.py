@@ -11,8 +11,10 @@ family-independent and lives in :mod:`sparsekv.integrations.transformers`,
 the only importer of this module.
 
 Families: ``qwen4_exp`` (:class:`Qwen4ExpAdapter`, QSA indexer + gated
-attention). The MLA families plug in as further subclasses of
-:class:`AttentionAdapter` listed in :data:`ADAPTERS`.
+attention); the MLA + DSA families (:class:`MlaAdapter`): ``glm5_next``
+(:class:`Glm5NextAdapter`, k-pool indexer and shared-selection layers),
+``glm_moe_dsa`` (:class:`GlmMoeDsaAdapter`) and ``deepseek_v32``
+(:class:`DeepseekV32Adapter`). Every adapter is listed in :data:`ADAPTERS`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from torch import nn
 from transformers.masking_utils import create_recurrent_attention_mask
 
 from ..cache.groups import BatchInputs, CacheGroupSpec
-from ..layers.config import Qwen4ExpConfig
+from ..layers.config import MlaConfig, Qwen4ExpConfig, load_config
+from ..layers.dsa import mla_cache_groups, rope_inv_freq
+from ..layers.mla import MlaSparseAttention
 from ..layers.qsa import QSAAttention
 
 
@@ -71,6 +75,10 @@ class AttentionAdapter:
     Subclasses set ``family`` and ``attention_class_names`` and implement
     :meth:`cache_groups` and :meth:`forward`. ``layers[i]`` is the sparsekv
     layer of the ``i``-th patched attention module (its cache layer ``i``).
+    ``main_group`` names the cache group whose pages every token uses (the
+    one reported as "pages used"); ``output_arity`` is how many values the
+    Hugging Face attention module returns (the output, then ``None`` for the
+    rest: attention weights, top-k indices).
     ``forward`` adds to ``tokens_read`` (cached tokens the sparse attention
     read, summed over query rows and layers) and ``tokens_causal`` (what dense
     causal attention would have read): int64 scalars on the layers' device,
@@ -81,10 +89,17 @@ class AttentionAdapter:
     attention_class_names: tuple[str, ...] = ()
     #: Hugging Face cache-layer classes of the patched layers that a fresh cache may hold (replaced on adoption).
     cache_layer_class_names: tuple[str, ...] = ("DynamicIndexedLayer",)
+    main_group: str = "main"
+    output_arity: int = 2
 
     @classmethod
     def matches(cls, module: nn.Module) -> bool:
         return type(module).__name__ in cls.attention_class_names
+
+    @classmethod
+    def weight_of(cls, module: nn.Module) -> torch.Tensor:
+        """A weight of ``module`` whose dtype and device the patched layer computes in."""
+        return module.q_proj.weight
 
     def __init__(self, text_model: nn.Module, attentions: list[nn.Module]) -> None:
         self.text_model = text_model
@@ -92,7 +107,7 @@ class AttentionAdapter:
         self.reset_read_counts()
 
     def reset_read_counts(self) -> None:
-        device = self.attentions[0].q_proj.weight.device
+        device = self.weight_of(self.attentions[0]).device
         with torch.inference_mode(False):  # plain tensors, so calls in and out of inference mode may add to them
             self.tokens_read = torch.zeros((), dtype=torch.int64, device=device)
             self.tokens_causal = torch.zeros((), dtype=torch.int64, device=device)
@@ -108,8 +123,12 @@ class AttentionAdapter:
         """
         return None
 
-    def forward(self, ordinal: int, rows: torch.Tensor, batch: BatchInputs) -> torch.Tensor:
-        """Run patched layer ``ordinal`` on ``rows [N, hidden]`` (the batch's real tokens); ``[N, hidden]``."""
+    def forward(self, ordinal: int, rows: torch.Tensor, batch: BatchInputs, scratch: dict) -> torch.Tensor:
+        """Run patched layer ``ordinal`` on ``rows [N, hidden]`` (the batch's real tokens); ``[N, hidden]``.
+
+        ``scratch``: the generation's own state between layers and calls
+        (emptied when its pages are released).
+        """
         raise NotImplementedError
 
 
@@ -199,7 +218,7 @@ class Qwen4ExpAdapter(AttentionAdapter):
         return {"indexed_attention": None,
                 "linear_attention": create_recurrent_attention_mask(self.text_model.config, inputs, attention_mask)}
 
-    def forward(self, ordinal: int, rows: torch.Tensor, batch: BatchInputs) -> torch.Tensor:
+    def forward(self, ordinal: int, rows: torch.Tensor, batch: BatchInputs, scratch: dict) -> torch.Tensor:
         result = self.layers[ordinal](rows, input_row_offsets=batch.input_row_offsets,
                                       kv_cache=batch.collection("main"), index_cache=batch.collection("indexer"),
                                       cache_layer=ordinal)
@@ -208,7 +227,150 @@ class Qwen4ExpAdapter(AttentionAdapter):
         return result.output
 
 
-#: Every family adapter, tried in order on each module of a model.
-ADAPTERS: tuple[type[AttentionAdapter], ...] = (Qwen4ExpAdapter,)
+_MLA_PROJECTIONS = ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj",
+                    "o_proj")
+_INDEXER_MODULES = ("wq_b", "wk", "k_norm", "weights_proj")
 
-__all__ = ["ADAPTERS", "AttentionAdapter", "HFRotaryTable", "Qwen4ExpAdapter"]
+
+class MlaAdapter(AttentionAdapter):
+    """The MLA + DSA families: each attention module as a :class:`sparsekv.layers.MlaSparseAttention`.
+
+    The sparsekv config comes from the text model's Hugging Face config
+    (:func:`sparsekv.layers.load_config`). Cache groups
+    (:func:`sparsekv.layers.mla_cache_groups`, co-indexed): ``"latent"`` (one
+    latent row of ``kv_lora_rank + qk_rope_head_dim`` channels per token and
+    indexed layer) and ``"indexer"`` (one pooled indexer key per
+    ``index_kpool`` tokens, per layer that runs its own indexer). A
+    ``"shared"`` layer reads the selection of the last full layer of the same
+    forward call. RoPE (GLM-5, DeepSeek-V3.2) is the layers' own, at each
+    request's positions ``0, 1, 2, ...``; the open k-pools of GLM-5-Next live in
+    one ring per full layer and generation. The attention runs in the
+    absorbed form (``mla_sparse_attention_paged``).
+
+    Weights are the Hugging Face modules themselves, except
+    ``index_kpool_compress_ape`` (``[index_kpool, index_head_dim]``) of a
+    16-bit GLM-5-Next, which the k-pool ops read in float32: a float32 copy.
+    """
+
+    main_group = "latent"
+    output_arity = 3
+
+    @classmethod
+    def weight_of(cls, module: nn.Module) -> torch.Tensor:
+        return module.q_a_proj.weight
+
+    def __init__(self, text_model: nn.Module, attentions: list[nn.Module]) -> None:
+        super().__init__(text_model, attentions)
+        config = load_config(text_model.config.to_dict())
+        if not isinstance(config, MlaConfig) or config.model_type != self.family:
+            raise ValueError(f"model config: expected a {self.family} config, got {type(config).__name__}")
+        patched = tuple(module.layer_idx for module in attentions)
+        if patched != config.index_layers:
+            raise ValueError(f"model: the indexed-attention modules sit at layers {patched}, the config says "
+                             f"{config.index_layers}")
+        self.config = config
+        self.device = self.weight_of(attentions[0]).device
+        self.layers = [self._build(module) for module in attentions]
+        self.full_ordinals = [i for i, layer in enumerate(self.layers) if layer.indexer is not None]
+        self.index_layer_of = {ordinal: j for j, ordinal in enumerate(self.full_ordinals)}
+
+    def _rope(self, rotary_dim: int) -> tuple[torch.Tensor, float]:
+        return rope_inv_freq(max(rotary_dim, 2), self.config.rope_theta, dict(self.config.rope_yarn or ()),
+                             self.device)
+
+    def _build(self, module: nn.Module) -> MlaSparseAttention:
+        """A :class:`MlaSparseAttention` whose submodules are ``module``'s own (weights shared, nothing copied)."""
+        dtype = self.weight_of(module).dtype
+        layer = MlaSparseAttention(self.config, module.layer_idx, dtype=dtype, device="meta")
+        for name in _MLA_PROJECTIONS:
+            setattr(layer, name, getattr(module, name))
+        layer.rope_inv_freq, layer.rope_attention_factor = self._rope(layer.rope_dim)
+        ours, theirs = layer.indexer, getattr(module, "indexer", None)
+        if (ours is None) != (theirs is None):
+            raise ValueError(f"model: layer {module.layer_idx} {'has' if theirs is not None else 'lacks'} an "
+                             "indexer, but its config indexer_types entry says otherwise")
+        if ours is not None:
+            for name in _INDEXER_MODULES:
+                setattr(ours, name, getattr(theirs, name))
+            if ours.index_kpool_compress_gate is not None:
+                ours.index_kpool_compress_gate = theirs.index_kpool_compress_gate
+                ape = theirs.index_kpool_compress_ape
+                if ape.dtype != torch.float32:
+                    ape = nn.Parameter(ape.detach().float(), requires_grad=False)
+                ours.index_kpool_compress_ape = ape
+            else:
+                ours.index_kpool_compress_ape = torch.zeros(ours.kpool, ours.head_dim, dtype=torch.float32,
+                                                            device=self.device)
+            ours.rope_inv_freq, ours.rope_attention_factor = self._rope(ours.rope_dim)
+        left = [name for name, tensor in [*layer.named_parameters(), *layer.named_buffers()] if tensor.is_meta]
+        if left:
+            raise RuntimeError(f"adapter: the MLA layer still has unshared weights {left}")
+        return layer
+
+    def cache_groups(self, dtype: torch.dtype) -> list[CacheGroupSpec]:
+        return mla_cache_groups(self.config, dtype)
+
+    def forward(self, ordinal: int, rows: torch.Tensor, batch: BatchInputs, scratch: dict) -> torch.Tensor:
+        layer = self.layers[ordinal]
+        common = dict(input_row_offsets=batch.input_row_offsets, latent_cache=batch.collection("latent"),
+                      cache_layer=ordinal)
+        if layer.indexer is None:
+            selection = scratch.get("selection")
+            if selection is None:
+                raise RuntimeError(f"layer {layer.layer_id} shares the selection of an earlier full layer, which "
+                                   "did not run in this forward call")
+            result = layer(rows, selection=selection, **common)
+        else:
+            index_layer = self.index_layer_of[ordinal]
+            ring = slot_ids = None
+            if layer.indexer.kpool > 1:  # open pools span calls: one ring row per sequence of the generation
+                rings = scratch.get("rings")
+                if rings is None:
+                    rings = scratch["rings"] = [self.layers[i].indexer.new_ring(batch.batch_size)
+                                                for i in self.full_ordinals]
+                ring = rings[index_layer]
+                slot_ids = torch.arange(batch.batch_size, device=ring.device)
+            result = layer(rows, index_cache=batch.collection("indexer"), index_layer=index_layer, ring=ring,
+                           slot_ids=slot_ids, **common)
+            scratch["selection"] = (result.indices, result.counts)
+        self.tokens_read += result.counts.sum(dtype=torch.int64)
+        self.tokens_causal += result.positions.sum(dtype=torch.int64) + result.positions.numel()
+        return result.output
+
+
+class Glm5NextAdapter(MlaAdapter):
+    """GLM-5-Next (``glm5_next_text``): NoPE MLA with the k-pool indexer and shared-selection layers.
+
+    Hugging Face's padding mask of these layers is the 2-d one (cheap), so
+    its masks are left as they are.
+    """
+
+    family = "glm5_next"
+    attention_class_names = ("Glm5NextTextAttention",)
+
+
+class GlmMoeDsaAdapter(MlaAdapter):
+    """GLM-5 (``glm_moe_dsa``): MLA with the DSA indexer (``kpool = 1``, interleaved RoPE), shared layers allowed."""
+
+    family = "glm_moe_dsa"
+    attention_class_names = ("GlmMoeDsaAttention",)
+
+    def mask_mapping(self, inputs: torch.Tensor, attention_mask: torch.Tensor | None) -> dict:
+        """No dense ``[B, 1, T, past + T]`` causal mask: the patched layers read none (every layer is indexed)."""
+        return {"indexed_attention": None}
+
+
+class DeepseekV32Adapter(GlmMoeDsaAdapter):
+    """DeepSeek-V3.2 (``deepseek_v32``): MLA with the DSA indexer (``kpool = 1``, half-split indexer RoPE)."""
+
+    family = "deepseek_v32"
+    attention_class_names = ("DeepseekV32Attention",)
+    output_arity = 2
+
+
+#: Every family adapter, tried in order on each module of a model.
+ADAPTERS: tuple[type[AttentionAdapter], ...] = (Qwen4ExpAdapter, Glm5NextAdapter, GlmMoeDsaAdapter,
+                                                DeepseekV32Adapter)
+
+__all__ = ["ADAPTERS", "AttentionAdapter", "DeepseekV32Adapter", "Glm5NextAdapter", "GlmMoeDsaAdapter",
+           "HFRotaryTable", "MlaAdapter", "Qwen4ExpAdapter"]

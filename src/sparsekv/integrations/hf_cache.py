@@ -48,7 +48,9 @@ class Generation:
     ``seq_length`` (padded columns Hugging Face has seen), per row
     ``real_lengths`` (tokens stored), ``leading_pads`` (padding before the
     first real token), ``shifts`` (Hugging Face position minus request
-    position, fixed by the row's first real token).
+    position, fixed by the row's first real token), ``adapter_scratch`` (the
+    family adapter's per-generation state, e.g. open k-pool rings; emptied on
+    release).
     """
 
     def __init__(self, manager: PagedKVCacheManager, owner: object) -> None:
@@ -63,6 +65,7 @@ class Generation:
         self.closed_reason: str | None = None
         self.broken_reason: str | None = None
         self.on_release: Callable[[Generation], None] | None = None
+        self.adapter_scratch: dict = {}
 
     @property
     def started(self) -> np.ndarray:
@@ -96,6 +99,7 @@ class Generation:
         self.seq_length = 0
         self.real_lengths, self.leading_pads, self.shifts = (np.zeros(0, dtype=np.int64) for _ in range(3))
         self.broken_reason = None
+        self.adapter_scratch = {}
         if self.on_release is not None:
             self.on_release(self)
 

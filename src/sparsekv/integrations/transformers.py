@@ -3,7 +3,7 @@
 ``pip install -e ".[hf]"``; this module imports transformers, the rest of
 sparsekv never does.
 
-    model = AutoModelForCausalLM.from_pretrained(path)     # Qwen4Exp (``qwen4_exp_text``)
+    model = AutoModelForCausalLM.from_pretrained(path)     # GLM-5-Next: AutoModelForImageTextToText
     patch_model(model, page_size=64, num_pages=512)         # in place; returns the model
     out = model.generate(input_ids, attention_mask=mask, max_new_tokens=32)
     get_manager(model).metrics()                             # every page is free again
@@ -245,15 +245,16 @@ def _attention_forward(state: PatchState, ordinal: int):
         plan = call.plan_for(past_key_values)
         batch, tokens, hidden = hidden_states.shape
         flat = hidden_states.reshape(batch * tokens, hidden)
+        scratch = plan.generation.adapter_scratch
         if plan.row_index is None:
-            output = adapter.forward(ordinal, flat, plan.batch).view(batch, tokens, -1)
+            output = adapter.forward(ordinal, flat, plan.batch, scratch).view(batch, tokens, -1)
         else:
             output = flat.new_zeros(batch * tokens, hidden)
             if plan.row_index.numel():
                 rows = flat.index_select(0, plan.row_index)
-                output.index_copy_(0, plan.row_index, adapter.forward(ordinal, rows, plan.batch))
+                output.index_copy_(0, plan.row_index, adapter.forward(ordinal, rows, plan.batch, scratch))
             output = output.view(batch, tokens, hidden)
-        return output, None
+        return (output,) + (None,) * (adapter.output_arity - 1)
 
     return forward
 
@@ -321,12 +322,14 @@ def patch_model(model: nn.Module, *, page_size: int = 64, num_pages: int = 512,
     """Run ``model``'s indexed-attention layers through sparsekv, in place; returns ``model``.
 
     Args:
-        model: a ``*ForCausalLM`` or a bare text model of a supported family
-            (Qwen4Exp), in eval mode or under ``torch.no_grad()``.
+        model: a ``*ForCausalLM`` (GLM-5-Next: ``Glm5NextForConditionalGeneration``)
+            or a bare text model of a supported family (Qwen4Exp, GLM-5-Next,
+            GLM-5, DeepSeek-V3.2), in eval mode or under ``torch.no_grad()``.
         page_size: tokens per cache page (default 64).
         num_pages: pages in the manager (default 512, i.e. 32768 cached tokens
-            over all live sequences); every patched layer's keys, values and
-            indexer keys of one token range share one page id.
+            over all live sequences); every patched layer's cache rows of one
+            token range share one page id. MLA families: a multiple of
+            ``index_kpool``.
         device: where the pages live; must be the attention weights' device
             (the default).
 
@@ -340,7 +343,7 @@ def patch_model(model: nn.Module, *, page_size: int = 64, num_pages: int = 512,
     text_model, adapter_cls, attentions = _find_text_model(model)
     if getattr(model, _STATE_ATTR, None) is not None or getattr(text_model, _STATE_ATTR, None) is not None:
         raise ValueError("model: already patched; call unpatch_model first")
-    weights = [module.q_proj.weight for module in attentions]
+    weights = [adapter_cls.weight_of(module) for module in attentions]
     dtypes, devices = {w.dtype for w in weights}, {w.device for w in weights}
     if len(dtypes) != 1 or len(devices) != 1:
         raise ValueError(f"model: the indexed-attention weights span dtypes {sorted(map(str, dtypes))} and devices "
