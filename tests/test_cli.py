@@ -379,3 +379,19 @@ def test_bench_quick_mla_times_every_peer(capsys, tmp_path):
     rows = json.loads(out_json.read_text())
     assert [row["op"] for row in rows] == ["mla_sparse_attention_paged"]
     assert rows[0]["time_ms"] > 0 and set(rows[0]["peers_ms"]) == {"reference", "dense", "sdpa", "peak"}
+
+
+def test_demo_tensor_parallel_check(capsys, small_configs):
+    """``--tp 2`` adds the sharded-equals-single-process check to the report and its verdict."""
+    code, report = _run_json(capsys, ["demo", *small_configs, *SMALL_RUN, "--json", "--tp", "2"])
+    assert code == 0
+    tp = report["tensor_parallel"]
+    assert tp["tp"] == 2 and tp["passed"] and report["checks_passed"]
+    # each rank holds half the main KV heads; the indexer cache is replicated
+    assert tp["kv_bytes_per_rank"]["main"] * 2 == tp["kv_bytes_single"]["main"]
+    assert tp["kv_bytes_per_rank"]["index"] == tp["kv_bytes_single"]["index"] and tp["all_reduce_calls"] > 0
+
+
+def test_demo_tensor_parallel_refuses_a_split_that_does_not_divide(capsys):
+    assert cli.main(["demo", "--requests", "2", "--context", "64", "--no-progress", "--tp", "5"]) == 2
+    assert "--tp 5" in capsys.readouterr().err

@@ -88,6 +88,13 @@ def _demo(args: argparse.Namespace) -> int:
         report = run_demo(options)
     except DemoError as err:
         return _usage_error("demo", str(err))
+    if args.tp > 1:
+        from .demo_tp import RankError, TPCheckOptions, run_tp_check
+        try:
+            report["tensor_parallel"] = run_tp_check(TPCheckOptions(tp=args.tp, device=args.device, seed=args.seed))
+        except (RankError, ValueError) as err:
+            return _usage_error("demo", f"--tp {args.tp}: {err}")
+        report["checks_passed"] = report["checks_passed"] and report["tensor_parallel"]["passed"]
     if args.plot:
         write_plot(report["decode_sweep"], args.plot,
                    f"Attention per decode token, {len(report['model']['qwen4_exp']['qsa_layers'])} QSA layers "
@@ -97,6 +104,9 @@ def _demo(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2))
     else:
         print(format_report(report))
+        if "tensor_parallel" in report:
+            from .demo_tp import format_tp_report
+            print(format_tp_report(report["tensor_parallel"]))
         if args.plot:
             print(f"  plot written to {args.plot}")
     return 0 if report["checks_passed"] else 1
@@ -183,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="longest context of the decode sweep (default: max(--context, 8192))")
     demo.add_argument("--plot", metavar="FILE.png",
                       help="run the decode sweep and plot it (.png, .svg or .pdf; needs matplotlib)")
+    demo.add_argument("--tp", type=int, default=1, metavar="N",
+                      help="also run a head-sharded QSA slice over N processes (gloo on CPU, NCCL on CUDA) "
+                           "and check it equals the single-process run (default 1: off)")
     demo.add_argument("--json", action="store_true", help="print the report as JSON instead of text")
     demo.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     demo.set_defaults(handler=_demo)

@@ -76,11 +76,16 @@ def _no_outputs(*args: object) -> None:
 
 def _dispatch_needed(args: tuple) -> bool:
     """Whether a call must go through torch's dispatcher: under torch.compile/export, for tensor
-    subclasses (fake or functional tensors), meta tensors, or tensors that require grad."""
+    subclasses (fake or functional tensors), meta tensors, or tensors that require grad. A frozen
+    ``nn.Parameter`` (a layer's weight) is a plain tensor here."""
     if torch.compiler.is_compiling():
         return True
-    return any(isinstance(a, torch.Tensor) and (type(a) is not torch.Tensor or a.requires_grad or a.is_meta)
+    return any(isinstance(a, torch.Tensor)
+               and (type(a) not in _PLAIN_TENSOR_TYPES or a.requires_grad or a.is_meta)
                for a in args)
+
+
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 def out_op(name: str, mutates_args: tuple[str, ...]) -> Callable[[Callable], Callable]:
