@@ -137,8 +137,13 @@ def test_a_wrong_mla_attention_fails_the_checks(capsys, small_configs, monkeypat
                       "MLA sparse attention equals MLA over the selected tokens"}
 
 
-def test_demo_with_a_checkpoint(capsys, tmp_path, small_configs):
-    config = load_config(SMALL_GLM)
+SMALL_DSA = dict(SMALL_GLM, model_type="glm_moe_dsa", qk_rope_head_dim=4)
+del SMALL_DSA["index_kpool"]
+
+
+@pytest.mark.parametrize("family", ["glm5_next", "glm_moe_dsa"])
+def test_demo_with_a_checkpoint(capsys, tmp_path, small_configs, family):
+    config = load_config(SMALL_GLM if family == "glm5_next" else SMALL_DSA)
     donor = MlaSlice(config, 64)
     seed_parameters(donor, 3)
     save_checkpoint(tmp_path / "glm", config, slice_state(donor))
@@ -146,8 +151,8 @@ def test_demo_with_a_checkpoint(capsys, tmp_path, small_configs):
             "--context", "24", "--decode-tokens", "1", "--page-size", "8", "--step-tokens", "16", "--no-progress",
             "--json"]
     code, report = _run_json(capsys, argv)
-    assert code == 0
-    assert any("checkpoint" in source for source in report["model"]["sources"])
+    assert code == 0 and report["model"]["mla"]["family"] == family
+    assert report["model"]["sources"][1] == f"{family}: checkpoint {tmp_path / 'glm'}"
 
 
 HF_MLA = dict(hidden_size=32, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=16, kv_lora_rank=16,

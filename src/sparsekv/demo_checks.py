@@ -260,24 +260,23 @@ def check_mla_equals_dense(log: CheckLog, name: str, attended: torch.Tensor, q_n
     heads, nope = q_nope.shape[1], q_nope.shape[2]
     latent = latent_cache.get_key_cache(cache_layer)
     kv_lora_rank = kv_b_weight.shape[1]
-    w_uk, w_uv = _kv_b_halves(kv_b_weight, heads, nope, kv_lora_rank)
-    expected = torch.zeros(len(rows), heads, w_uv.shape[1])
+    kv_b = kv_b_weight.float().cpu()
+    expected = torch.zeros(len(rows), heads, kv_b.shape[0] // heads - nope)
     for seq in sorted(set(seqs)):
-        members = [i for i, s in enumerate(seqs) if s == seq]
-        held = max(visible_end[i] for i in members)
-        if held == 0:
+        members = torch.tensor([i for i, s in enumerate(seqs) if s == seq and visible_end[i] > 0], dtype=torch.long)
+        if members.numel() == 0:
             continue
+        ends = torch.tensor(visible_end)[members]
+        held = int(ends.max())
         history = latent.load(seq, torch.arange(held, device=q_nope.device))[:, 0].float().cpu()
         c, k_rope = history[:, :kv_lora_rank], history[:, kv_lora_rank:]
-        keys_nope = torch.einsum("nr,hdr->hnd", c, w_uk.cpu())
-        values = torch.einsum("nr,hvr->hnv", c, w_uv.cpu())
-        for i in members:
-            n = visible_end[i]
-            if n == 0:
-                continue
-            logits = (torch.einsum("hd,hnd->hn", q_nope[i].float().cpu(), keys_nope[:, :n])
-                      + q_rope[i].float().cpu() @ k_rope[:n].T) * scale
-            expected[i] = torch.einsum("hn,hnv->hv", torch.softmax(logits, dim=-1), values[:, :n])
+        kv = (c @ kv_b.T).reshape(held, heads, -1)  # HF's kv_b_proj on every cached row
+        keys_nope, values = kv[..., :nope], kv[..., nope:]
+        logits = (torch.einsum("rhd,nhd->rhn", q_nope[members].float().cpu(), keys_nope)
+                  + torch.einsum("rhd,nd->rhn", q_rope[members].float().cpu(), k_rope)) * scale
+        hidden_tokens = torch.arange(held)[None, :] >= ends[:, None]  # [rows, held]
+        logits = logits.masked_fill(hidden_tokens[:, None, :], float("-inf"))
+        expected[members] = torch.einsum("rhn,nhv->rhv", torch.softmax(logits, dim=-1), values)
     actual = attended[torch.tensor(rows, device=attended.device)].cpu()
     ok, error = _close(actual, expected.to(actual.dtype))
     log.record(name, ok, error, f"{where}: max |sparse - dense| = {error:.3g} on {len(rows)} rows", items=len(rows))
