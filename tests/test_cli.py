@@ -81,7 +81,8 @@ def test_demo_json_small_model(capsys, small_configs):
 
 
 def test_demo_default_model_text_report(capsys):
-    code = cli.main(["demo", "--requests", "2", "--context", "64", "--decode-tokens", "2", "--no-progress"])
+    code = cli.main(["demo", "--requests", "2", "--context", "64", "--decode-tokens", "2", "--page-size", "16",
+                     "--no-progress"])
     out = capsys.readouterr().out
     assert code == 0
     for needle in ("tokens", "throughput", "pages", "prefix", "QSA read", "MLA read", "time by op",
@@ -180,7 +181,8 @@ def test_demo_takes_the_config_hf_writes_for_each_family(capsys, tmp_path, famil
     transformers = pytest.importorskip("transformers")
     _hf_config(transformers, family).save_pretrained(tmp_path)
     code, report = _run_json(capsys, ["demo", "--config", str(tmp_path / "config.json"), "--requests", "2",
-                                      "--context", "64", "--decode-tokens", "2", "--no-progress", "--json"])
+                                      "--context", "64", "--decode-tokens", "2", "--page-size", "16",
+                                      "--no-progress", "--json"])
     assert code == 0
     assert [check["name"] for check in report["checks"] if check["passed"]] == CHECK_NAMES
     qsa, mla, sources = report["model"]["qwen4_exp"], report["model"]["mla"], report["model"]["sources"]

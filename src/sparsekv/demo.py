@@ -120,9 +120,11 @@ class StageTimer:
 def seed_parameters(model: torch.nn.Module, seed: int) -> None:
     """Deterministic weights, independent of torch's global RNG: one generator per parameter name.
 
-    Linear weights ``N(0, 1/fan_in)``; embeddings and ``ape`` ``N(0, 1)``; norm
-    weights ``N(neutral, 0.1^2)`` around their neutral value (0 for zero-centred
-    norms, 1 for RMSNorm/LayerNorm); biases ``N(0, 0.1^2)``.
+    Linear weights (and the k-pool gate projection, a bare
+    ``index_kpool_compress_gate [D, hidden]``) ``N(0, 1/fan_in)``; embeddings
+    and the k-pool ``index_kpool_compress_ape`` ``N(0, 1)``; norm weights
+    ``N(neutral, 0.1^2)`` around their neutral value (0 for zero-centred norms,
+    1 for RMSNorm/LayerNorm); biases ``N(0, 0.1^2)``.
     """
     with torch.no_grad():
         for module_name, module in model.named_modules():
@@ -130,9 +132,10 @@ def seed_parameters(model: torch.nn.Module, seed: int) -> None:
                 name = f"{module_name}.{param_name}"
                 generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
                 values = torch.randn(param.shape, generator=generator, dtype=torch.float32)
-                if isinstance(module, torch.nn.Linear) and param_name == "weight":
+                if (isinstance(module, torch.nn.Linear) and param_name == "weight"
+                        or param_name == "index_kpool_compress_gate"):
                     values = values / param.shape[1] ** 0.5
-                elif isinstance(module, (torch.nn.Embedding,)) or param_name == "ape":
+                elif isinstance(module, torch.nn.Embedding) or param_name == "index_kpool_compress_ape":
                     pass
                 elif isinstance(module, (RMSNorm, torch.nn.LayerNorm)) and param_name == "weight":
                     values = 1.0 + 0.1 * values
