@@ -90,7 +90,7 @@ def test_demo_default_model_text_report(capsys):
                    "[PASS] QSA selections equal brute-force top-k",
                    "[PASS] MLA sparse attention equals dense MLA under the budget",
                    "all checks passed", "24 q / 2 kv heads x 256 (RoPE 64), indexer 4 x 128, R=4",
-                   "GLM-5-Next MLA layers [3, 7] ([7] shared): 16 heads, latent 512"):
+                   "GLM-5-Next MLA layers [3, 7] ([7] shared): 8 heads, latent 512"):
         assert needle in out, needle
     assert "FAIL" not in out
 
@@ -188,7 +188,7 @@ def test_demo_takes_the_config_hf_writes_for_each_family(capsys, tmp_path, famil
     qsa, mla, sources = report["model"]["qwen4_exp"], report["model"]["mla"], report["model"]["sources"]
     reads = report["sparse_reads"]
     if family == "qwen4_exp":  # the MLA slice keeps its embedded default
-        assert (qsa["budget"], qsa["qsa_layers"], mla["family"], mla["heads"]) == (16, [3], "glm5_next", 16)
+        assert (qsa["budget"], qsa["qsa_layers"], mla["family"], mla["heads"]) == (16, [3], "glm5_next", 8)
         assert reads["kv_fraction"] < 0.7
         assert "config" in sources[0] and "embedded default" in sources[1]
     else:
@@ -354,7 +354,7 @@ def test_work_counts_the_models_projections():
     work = _default_work()
     assert work.projection_macs == 2 * per_qsa_layer + 2 * per_mla_layer + per_indexer  # layer 7 is shared
     assert work.qsa_window == 259 and work.mla_window == 259 and work.logits_macs == hidden * 4096
-    assert (work.mla_layers, work.kpool_layers, work.mla_attention_macs) == (2, 1, 16 * 1024)
+    assert (work.mla_layers, work.kpool_layers, work.mla_attention_macs) == (2, 1, 8 * 1024)
 
 
 def test_work_makes_prefill_and_decode_steps_comparable():

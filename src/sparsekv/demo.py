@@ -3,7 +3,7 @@
 The model is two slices with seeded weights (no download), each over a
 256-wide residual stream: two Qwen4Exp QSA layers with the real head geometry
 (24 query / 2 KV heads of 256, RoPE over 64 channels, indexer 4 heads x 128,
-R = 4), and two GLM-5-Next MLA attention layers (16 heads, the real latent of
+R = 4), and two GLM-5-Next MLA attention layers (8 heads, the real latent of
 512 channels, NoPE; the first runs the k-pool indexer with its real 32 heads x
 128, kpool 4, the second is a "shared" layer reusing that selection). Budgets
 are 256 tokens, so sparsity shows at a few thousand tokens of context.
@@ -54,7 +54,7 @@ DEFAULT_QWEN = Qwen4ExpConfig(
     indexer_head_dim=128, indexer_compress_ratio=4, indexer_budget=256)
 DEFAULT_GLM = Glm5NextConfig(
     hidden_size=256, num_hidden_layers=8, index_layers=(3, 7), indexer_types=("full",) * 7 + ("shared",),
-    num_attention_heads=16, num_key_value_heads=16, q_lora_rank=128, kv_lora_rank=512, qk_nope_head_dim=128,
+    num_attention_heads=8, num_key_value_heads=8, q_lora_rank=128, kv_lora_rank=512, qk_nope_head_dim=128,
     v_head_dim=128, index_n_heads=32, index_head_dim=128, index_topk=256, index_kpool=4)
 DEFAULT_VOCAB = 4096
 

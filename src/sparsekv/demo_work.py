@@ -16,9 +16,9 @@ estimate of each step's cost instead, in multiply-adds:
 * per step: a fixed cost, :data:`STEP_OVERHEAD_MACS`.
 
 Example (``DEFAULT_QWEN``/``DEFAULT_GLM``): a 512-row prefill chunk at positions
-1536..2047 is about 1.7e10 multiply-adds plus the step cost, an 8-row decode
-step at position 2048 about 2.9e8 plus the step cost, so with the 3e9 step
-cost the prefill step counts 6.2 decode steps instead of 64.
+1536..2047 is about 1.4e10 multiply-adds plus the step cost, an 8-row decode
+step at position 2048 about 2.3e8 plus the step cost, so with the 3e9 step
+cost the prefill step counts 5.2 decode steps instead of 64.
 """
 
 from __future__ import annotations
