@@ -611,5 +611,5 @@ def run_demo(options: DemoOptions) -> dict:
     return build_report(server, options, sources, dtype, wall, sweep)
 
 
-__all__ = ["CHECK_NAMES", "DEFAULT_GLM", "DEFAULT_QWEN", "DemoError", "DemoOptions", "DemoServer", "StageTimer", "build_models",
-           "make_workload", "run_demo", "seed_parameters"]
+__all__ = ["CHECK_NAMES", "DEFAULT_GLM", "DEFAULT_QWEN", "DemoError", "DemoOptions", "DemoServer", "StageTimer",
+           "build_models", "make_workload", "run_demo", "seed_parameters"]

@@ -125,7 +125,8 @@ def format_report(report: dict) -> str:
         f"             {MLA_NAMES.get(g['family'], g['family'])} MLA layers {g['index_layers']}"
         f"{f' ({shared} shared)' if shared else ''}: {g['heads']} heads, latent {g['kv_lora_rank']} + RoPE "
         f"{g['qk_rope_head_dim']}, nope {g['qk_nope_head_dim']}, v {g['v_head_dim']};",
-        f"             indexer {g['index_heads']} x {g['index_head_dim']}, kpool {g['kpool']}{' (' + g['mode'] + ')' if g['kpool'] > 1 else ''}"
+        f"             indexer {g['index_heads']} x {g['index_head_dim']}, kpool {g['kpool']}"
+        f"{' (' + g['mode'] + ')' if g['kpool'] > 1 else ''}"
         f"{', tail' if g['select_tail'] else ''}, topk {g['topk']}",
         *[f"             {source}" for source in m["sources"]],
         f"  workload   {w['requests']} requests x {w['context']} prompt tokens ({w['shared_prefix']} shared) + "
