@@ -13,17 +13,19 @@ import pytest
 import torch
 
 from sparsekv import cli
-from sparsekv.demo import (DEFAULT_GLM, DEFAULT_QWEN, DemoOptions, DemoServer, build_models, make_workload,
-                           seed_parameters)
+from sparsekv.demo import (CHECK_NAMES, DEFAULT_GLM, DEFAULT_QWEN, DemoOptions, DemoServer, build_models,
+                           make_workload, seed_parameters)
 from sparsekv.demo_sweep import DENSE_LAYOUTS, sdpa_decode_attention
 from sparsekv.demo_work import ServingWork, _sum_floor_div, _sum_min
-from sparsekv.layers import Glm5NextIndexerSlice, Qwen4ExpSlice, load_config, save_checkpoint, slice_state
+from sparsekv.layers import MlaSlice, Qwen4ExpSlice, load_config, save_checkpoint, slice_state
 
 SMALL_QWEN = {"model_type": "qwen4_exp", "hidden_size": 32, "num_hidden_layers": 2, "qsa_layers": [0, 1],
               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "partial_rotary_factor": 0.5,
               "indexer_n_heads": 2, "indexer_head_dim": 8, "indexer_compress_ratio": 4, "indexer_budget": 8}
-SMALL_GLM = {"model_type": "glm5_next", "hidden_size": 24, "num_hidden_layers": 1, "index_layers": [0],
-             "q_lora_rank": 12, "index_n_heads": 2, "index_head_dim": 8, "index_topk": 8, "index_kpool": 4}
+SMALL_GLM = {"model_type": "glm5_next", "hidden_size": 24, "num_hidden_layers": 2, "index_layers": [0, 1],
+             "indexer_types": ["full", "shared"], "num_attention_heads": 2, "num_key_value_heads": 2,
+             "q_lora_rank": 12, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "v_head_dim": 8, "index_n_heads": 2,
+             "index_head_dim": 8, "index_topk": 8, "index_kpool": 4}
 SMALL_RUN = ["--requests", "3", "--context", "40", "--decode-tokens", "3", "--page-size", "8", "--step-tokens", "24",
              "--no-progress"]
 
@@ -61,9 +63,9 @@ def _check_report(report: dict, requests: int, context: int, decode: int) -> Non
     assert reads["kv_fraction"] == pytest.approx(reads["kv_bytes_sparse"] / reads["kv_bytes_dense"])
     shares = [entry["share"] for entry in report["time_breakdown"]]
     assert all(entry["seconds"] >= 0 for entry in report["time_breakdown"]) and sum(shares) == pytest.approx(1.0)
-    assert {"qsa.compress", "qsa.score", "qsa.select", "qsa.attention", "kpool.score"} <= {
+    assert {"qsa.compress", "qsa.score", "qsa.select", "qsa.attention", "kpool.score", "mla.attention"} <= {
         entry["stage"] for entry in report["time_breakdown"]}
-    assert len(report["checks"]) == 6
+    assert [check["name"] for check in report["checks"]] == CHECK_NAMES
     for check in report["checks"]:
         assert check["comparisons"] > 0 and check["failures"] == 0 and check["passed"], check
     assert report["checks_passed"] is True
@@ -79,12 +81,16 @@ def test_demo_json_small_model(capsys, small_configs):
 
 
 def test_demo_default_model_text_report(capsys):
-    code = cli.main(["demo", "--requests", "2", "--context", "64", "--decode-tokens", "2", "--no-progress"])
+    code = cli.main(["demo", "--requests", "2", "--context", "64", "--decode-tokens", "2", "--page-size", "16",
+                     "--no-progress"])
     out = capsys.readouterr().out
     assert code == 0
-    for needle in ("tokens", "throughput", "pages", "prefix", "sparse attention read", "time by op",
-                   "qsa_sparse_attention_paged", "[PASS] QSA selections equal brute-force top-k",
-                   "all checks passed", "24 q / 2 kv heads x 256 (RoPE 64), indexer 4 x 128, R=4"):
+    for needle in ("tokens", "throughput", "pages", "prefix", "QSA read", "MLA read", "time by op",
+                   "qsa_sparse_attention_paged", "mla_sparse_attention_paged",
+                   "[PASS] QSA selections equal brute-force top-k",
+                   "[PASS] MLA sparse attention equals dense MLA under the budget",
+                   "all checks passed", "24 q / 2 kv heads x 256 (RoPE 64), indexer 4 x 128, R=4",
+                   "GLM-5-Next MLA layers [3, 7] ([7] shared): 8 heads, latent 512"):
         assert needle in out, needle
     assert "FAIL" not in out
 
@@ -111,22 +117,86 @@ def test_a_wrong_sparse_attention_fails_the_checks(capsys, small_configs, monkey
     code, report = _run_json(capsys, ["demo", *small_configs, *SMALL_RUN, "--json"])
     assert code == 1
     failed = {c["name"] for c in report["checks"] if not c["passed"]}
-    assert "sparse attention equals dense attention under the budget" in failed
-    assert "sparse attention equals dense attention over the selected tokens" in failed
+    assert "QSA sparse attention equals dense attention under the budget" in failed
+    assert "QSA sparse attention equals dense attention over the selected tokens" in failed
     assert report["checks_passed"] is False
 
 
-def test_demo_with_a_checkpoint(capsys, tmp_path, small_configs):
-    config = load_config(SMALL_GLM)
-    donor = Glm5NextIndexerSlice(config, 64)
+def test_a_wrong_mla_attention_fails_the_checks(capsys, small_configs, monkeypatch):
+    import sparsekv.layers.mla as mla_layer
+
+    real = mla_layer.mla_sparse_attention_paged
+
+    def skewed(q, *args, **kwargs):  # drop a small amount from every output: both MLA oracles must notice
+        return real(q, *args, **kwargs) * 0.999
+
+    monkeypatch.setattr(mla_layer, "mla_sparse_attention_paged", skewed)
+    code, report = _run_json(capsys, ["demo", *small_configs, *SMALL_RUN, "--json"])
+    assert code == 1
+    failed = {c["name"] for c in report["checks"] if not c["passed"]}
+    assert failed == {"MLA sparse attention equals dense MLA under the budget",
+                      "MLA sparse attention equals MLA over the selected tokens"}
+
+
+SMALL_DSA = dict(SMALL_GLM, model_type="glm_moe_dsa", qk_rope_head_dim=4)
+del SMALL_DSA["index_kpool"]
+
+
+@pytest.mark.parametrize("family", ["glm5_next", "glm_moe_dsa"])
+def test_demo_with_a_checkpoint(capsys, tmp_path, small_configs, family):
+    config = load_config(SMALL_GLM if family == "glm5_next" else SMALL_DSA)
+    donor = MlaSlice(config, 64)
     seed_parameters(donor, 3)
     save_checkpoint(tmp_path / "glm", config, slice_state(donor))
     argv = ["demo", small_configs[0], small_configs[1], "--checkpoint", str(tmp_path / "glm"), "--requests", "2",
             "--context", "24", "--decode-tokens", "1", "--page-size", "8", "--step-tokens", "16", "--no-progress",
             "--json"]
     code, report = _run_json(capsys, argv)
+    assert code == 0 and report["model"]["mla"]["family"] == family
+    assert report["model"]["sources"][1] == f"{family}: checkpoint {tmp_path / 'glm'}"
+
+
+HF_MLA = dict(hidden_size=32, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=16, kv_lora_rank=16,
+              qk_nope_head_dim=8, v_head_dim=8, index_n_heads=2, index_head_dim=16, index_topk=16,
+              num_hidden_layers=2)
+
+
+def _hf_config(transformers, family: str):
+    """A tiny config of ``family`` built by HF's own config class (both MLA layers indexed, the second shared)."""
+    if family == "qwen4_exp":
+        return transformers.Qwen4ExpTextConfig(
+            hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
+            indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=16, indexer_compress_ratio=4)
+    if family == "glm5_next":
+        return transformers.Glm5NextTextConfig(**HF_MLA, layer_types=["indexed_attention"] * 2,
+                                               indexer_types=["full", "shared"], index_kpool=4)
+    if family == "glm_moe_dsa":
+        return transformers.GlmMoeDsaConfig(**HF_MLA, qk_rope_head_dim=8, indexer_types=["full", "shared"])
+    return transformers.DeepseekV32Config(**HF_MLA, qk_rope_head_dim=8)
+
+
+@pytest.mark.parametrize("family", ["qwen4_exp", "glm5_next", "glm_moe_dsa", "deepseek_v32"])
+def test_demo_takes_the_config_hf_writes_for_each_family(capsys, tmp_path, family):
+    transformers = pytest.importorskip("transformers")
+    _hf_config(transformers, family).save_pretrained(tmp_path)
+    code, report = _run_json(capsys, ["demo", "--config", str(tmp_path / "config.json"), "--requests", "2",
+                                      "--context", "64", "--decode-tokens", "2", "--page-size", "16",
+                                      "--no-progress", "--json"])
     assert code == 0
-    assert any("checkpoint" in source for source in report["model"]["sources"])
+    assert [check["name"] for check in report["checks"] if check["passed"]] == CHECK_NAMES
+    qsa, mla, sources = report["model"]["qwen4_exp"], report["model"]["mla"], report["model"]["sources"]
+    reads = report["sparse_reads"]
+    if family == "qwen4_exp":  # the MLA slice keeps its embedded default
+        assert (qsa["budget"], qsa["qsa_layers"], mla["family"], mla["heads"]) == (16, [3], "glm5_next", 8)
+        assert reads["kv_fraction"] < 0.7
+        assert "config" in sources[0] and "embedded default" in sources[1]
+    else:
+        assert (mla["family"], mla["heads"], mla["index_layers"], mla["full_index_layers"]) == (
+            family, 2, [0, 1], [0, 1] if family == "deepseek_v32" else [0])
+        assert mla["kpool"] == (4 if family == "glm5_next" else 1)
+        assert qsa["heads"] == 24 and reads["mla_latent_fraction"] < 0.7
+        assert "embedded default" in sources[0] and "config" in sources[1]
 
 
 def test_demo_usage_errors(capsys, tmp_path):
@@ -142,6 +212,9 @@ def test_demo_usage_errors(capsys, tmp_path):
     assert "missing weight 'model.layers.0.input_layernorm.weight'" in capsys.readouterr().err
     assert cli.main(["demo", "--dtype", "int8"]) == 2
     assert "--dtype" in capsys.readouterr().err
+    (tmp_path / "glm.json").write_text(json.dumps(SMALL_GLM))
+    assert cli.main(["demo", "--config", str(tmp_path / "glm.json"), "--config", str(tmp_path / "glm.json")]) == 2
+    assert "the MLA slice is already set by --config" in capsys.readouterr().err
 
 
 def test_demo_plot(capsys, tmp_path, small_configs):
@@ -265,19 +338,23 @@ def test_work_closed_forms_equal_the_sums():
 
 def _default_work() -> ServingWork:
     qwen = Qwen4ExpSlice(DEFAULT_QWEN, 4096, device="meta")
-    glm = Glm5NextIndexerSlice(DEFAULT_GLM, 4096, device="meta")
-    return ServingWork.for_models(qwen, glm, 4096)
+    mla = MlaSlice(DEFAULT_GLM, 4096, device="meta")
+    return ServingWork.for_models(qwen, mla, 4096)
 
 
 def test_work_counts_the_models_projections():
     q, g, hidden = DEFAULT_QWEN, DEFAULT_GLM, 256
     per_qsa_layer = (hidden * q.num_attention_heads * 2 * q.head_dim + 2 * hidden * q.num_key_value_heads * q.head_dim
                      + q.num_attention_heads * q.head_dim * hidden + hidden * (q.indexer_n_heads + 1) * q.indexer_head_dim)
-    per_glm_layer = (hidden * g.q_lora_rank + g.q_lora_rank * g.index_n_heads * g.index_head_dim
-                     + 2 * hidden * g.index_head_dim + hidden * g.index_n_heads)
+    per_indexer = (g.q_lora_rank * g.index_n_heads * g.index_head_dim + 2 * hidden * g.index_head_dim
+                   + hidden * g.index_n_heads)
+    heads, latent = g.num_attention_heads, g.kv_lora_rank
+    per_mla_layer = (hidden * g.q_lora_rank + g.q_lora_rank * heads * g.qk_nope_head_dim + hidden * latent
+                     + latent * heads * (g.qk_nope_head_dim + g.v_head_dim) + heads * g.v_head_dim * hidden)
     work = _default_work()
-    assert work.projection_macs == 2 * per_qsa_layer + per_glm_layer
-    assert work.qsa_window == 259 and work.logits_macs == hidden * 4096
+    assert work.projection_macs == 2 * per_qsa_layer + 2 * per_mla_layer + per_indexer  # layer 7 is shared
+    assert work.qsa_window == 259 and work.mla_window == 259 and work.logits_macs == hidden * 4096
+    assert (work.mla_layers, work.kpool_layers, work.mla_attention_macs) == (2, 1, 8 * 1024)
 
 
 def test_work_makes_prefill_and_decode_steps_comparable():
@@ -296,7 +373,7 @@ def test_work_makes_prefill_and_decode_steps_comparable():
 def test_work_remaining_matches_the_steps_of_a_schedule():
     work = ServingWork(projection_macs=1000, qsa_layers=2, qsa_attention_macs=10, qsa_window=11, qsa_ratio=4,
                        qsa_score_macs=3, qsa_compress_macs=2, kpool_layers=1, kpool_score_macs=5, kpool=4,
-                       logits_macs=7, step_overhead_macs=5000)
+                       mla_layers=2, mla_attention_macs=6, mla_window=11, logits_macs=7, step_overhead_macs=5000)
     # Two requests of 20 prompt tokens and 3 decode steps each, 16 tokens per step: prefill 16 | 4 + 12 |
     # 1 + 8 (decode of the first, rest of the second), then decodes side by side.
     steps = [[(0, 16)], [(16, 4), (0, 12)], [(20, 1), (12, 8)], [(21, 1), (20, 1)], [(22, 1), (21, 1)],

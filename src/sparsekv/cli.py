@@ -166,19 +166,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sparsekv", description="Paged KV cache and sparse-attention indexers.")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    demo = commands.add_parser("demo", help="serve a small workload with QSA and k-pool indexers, then report",
+    demo = commands.add_parser("demo", help="serve a small workload with QSA and sparse MLA attention, then report",
                                description="Serve requests that share a system prompt through the paged cache "
                                            "manager (chunked prefill, decode, prefix caching) on a Qwen4Exp QSA "
-                                           "slice and a GLM-5-Next k-pool indexer; check every step against dense "
-                                           "oracles and print a report. Exits 1 if a check fails.")
+                                           "slice and a GLM-5-Next MLA slice (k-pool indexer + sparse MLA); "
+                                           "check every step against dense oracles and print a report. Exits 1 "
+                                           "if a check fails.")
     demo.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
     demo.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 (GPU default) or float16")
     demo.add_argument("--config", action="append", metavar="CONFIG_JSON",
-                      help="a config.json (model_type qwen4_exp or glm5_next) replacing that slice's config "
-                           "(seeded weights); may be given twice")
+                      help="a config.json as HF writes it: qwen4_exp replaces the QSA slice's config, "
+                           "glm5_next, glm_moe_dsa or deepseek_v32 the MLA slice's (seeded weights); "
+                           "may be given once per slice")
     demo.add_argument("--checkpoint", action="append", metavar="DIR",
-                      help="a folder with config.json and *.safetensors whose weights replace that slice's; "
-                           "may be given twice")
+                      help="a folder with config.json and *.safetensors (same families) whose weights "
+                           "replace that slice's; may be given once per slice")
     demo.add_argument("--requests", type=int, default=8, help="requests to serve (default 8)")
     demo.add_argument("--context", type=int, default=2048, help="prompt tokens per request (default 2048)")
     demo.add_argument("--decode-tokens", type=int, default=32, help="decode steps per request (default 32)")

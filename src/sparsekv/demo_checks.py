@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache.layout import PagedKVCacheCollection
+from .layers.dsa import apply_rope, rope_cos_sin
 from .layers.qsa import dense_causal_attention
 from .numerics import apply_rope_neox, rms_norm_zero_centred
 from .ops.kpool import mla_kpool_compress
@@ -146,8 +147,13 @@ TIE_TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 
 
 def compare_topk(log: CheckLog, name: str, scores: torch.Tensor, selected_row: torch.Tensor, count: int,
-                 position: int, *, ratio: int, budget: int, where: str, tie_tolerance: float) -> None:
+                 position: int, *, ratio: int, budget: int, where: str, tie_tolerance: float,
+                 select_tail: bool = True) -> None:
     """The row's selection must be the top ``budget // ratio`` of ``scores`` (ties: lower id), then the tail.
+
+    ``select_tail``: whether the selection ends with the open tail (the tokens after
+    the last complete block or pool); GLM-5-Next without
+    ``index_kpool_always_select_tail`` selects whole pools only.
 
     A difference is accepted only where the brute-force scores of the swapped
     blocks lie within ``tie_tolerance`` (relative) of the cut-off score.
@@ -159,7 +165,8 @@ def compare_topk(log: CheckLog, name: str, scores: torch.Tensor, selected_row: t
     else:
         order = torch.sort(scores, descending=True, stable=True).indices
         expected_blocks = torch.sort(order[:keep]).values
-    tail = torch.arange(ratio * ((position + 1) // ratio), position + 1)
+    whole = ratio * ((position + 1) // ratio)
+    tail = torch.arange(whole, position + 1 if select_tail else whole)
     expected = torch.cat([(expected_blocks[:, None] * ratio + torch.arange(ratio)).reshape(-1), tail])
     got = selected_row[:count].long().cpu()
     if count == expected.numel() and torch.equal(got, expected):
@@ -209,5 +216,97 @@ def brute_force_kpool_scores(q_row: torch.Tensor, weights_row: torch.Tensor, poo
     return (weights_row.float()[:, None] * per_head).sum(dim=0).cpu()
 
 
+# ---------------------------------------------------------------------------
+# MLA
+# ---------------------------------------------------------------------------
+def mla_queries(attention: torch.nn.Module, x: torch.Tensor, positions: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head queries of an ``MlaSparseAttention`` layer for its inputs ``x [n, hidden]`` at ``positions [n]``.
+
+    HF's order: ``q_b_proj(q_a_layernorm(q_a_proj(x)))`` split into ``q_nope
+    [n, H, qk_nope_head_dim]`` and ``q_rope [n, H, qk_rope_head_dim]``, the
+    latter rotated (interleaved RoPE) at each row's position; in ``x``'s dtype.
+    """
+    nope, rope = attention.nope_dim, attention.rope_dim
+    q = attention.q_b_proj(attention.q_a_layernorm(attention.q_a_proj(x))).reshape(x.shape[0], -1, nope + rope)
+    q_nope, q_rope = q[..., :nope], q[..., nope:]
+    if rope:
+        cos, sin = rope_cos_sin(positions, attention.rope_inv_freq, attention.rope_attention_factor, q.dtype)
+        q_rope = apply_rope(q_rope, cos, sin, "interleave")
+    return q_nope, q_rope
+
+
+def _kv_b_halves(kv_b_weight: torch.Tensor, heads: int, nope: int, kv_lora_rank: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(W_uk [H, nope, r], W_uv [H, v, r])`` float32 of ``kv_b_proj.weight [H * (nope + v), r]``."""
+    weight = kv_b_weight.float().reshape(heads, -1, kv_lora_rank)
+    return weight[:, :nope], weight[:, nope:]
+
+
+def check_mla_equals_dense(log: CheckLog, name: str, attended: torch.Tensor, q_nope: torch.Tensor,
+                           q_rope: torch.Tensor, rows: list[int], seqs: list[int],
+                           latent_cache: PagedKVCacheCollection, cache_layer: int, kv_b_weight: torch.Tensor, *,
+                           visible_end: list[int], scale: float, where: str) -> None:
+    """Dense MLA in HF's expanded form over each row's whole visible history equals the layer's output.
+
+    For rows whose selection holds every visible token (everything fits the
+    budget). ``attended [T, H, v]`` is the layer's per-head output; ``q_nope``,
+    ``q_rope`` the queries of ``rows`` (:func:`mla_queries`); row ``i`` of
+    sequence ``seqs[i]`` sees tokens ``0 .. visible_end[i] - 1`` (its
+    position + 1, or the complete pools only without the tail; none gives a
+    zero row). Keys ``[c @ W_uk^T, rope key]`` and values ``c @ W_uv^T``
+    of every cached latent row, float32.
+    """
+    heads, nope = q_nope.shape[1], q_nope.shape[2]
+    latent = latent_cache.get_key_cache(cache_layer)
+    kv_lora_rank = kv_b_weight.shape[1]
+    kv_b = kv_b_weight.float().cpu()
+    expected = torch.zeros(len(rows), heads, kv_b.shape[0] // heads - nope)
+    for seq in sorted(set(seqs)):
+        members = torch.tensor([i for i, s in enumerate(seqs) if s == seq and visible_end[i] > 0], dtype=torch.long)
+        if members.numel() == 0:
+            continue
+        ends = torch.tensor(visible_end)[members]
+        held = int(ends.max())
+        history = latent.load(seq, torch.arange(held, device=q_nope.device))[:, 0].float().cpu()
+        c, k_rope = history[:, :kv_lora_rank], history[:, kv_lora_rank:]
+        kv = (c @ kv_b.T).reshape(held, heads, -1)  # HF's kv_b_proj on every cached row
+        keys_nope, values = kv[..., :nope], kv[..., nope:]
+        logits = (torch.einsum("rhd,nhd->rhn", q_nope[members].float().cpu(), keys_nope)
+                  + torch.einsum("rhd,nd->rhn", q_rope[members].float().cpu(), k_rope)) * scale
+        hidden_tokens = torch.arange(held)[None, :] >= ends[:, None]  # [rows, held]
+        logits = logits.masked_fill(hidden_tokens[:, None, :], float("-inf"))
+        expected[members] = torch.einsum("rhn,nhv->rhv", torch.softmax(logits, dim=-1), values)
+    actual = attended[torch.tensor(rows, device=attended.device)].cpu()
+    ok, error = _close(actual, expected.to(actual.dtype))
+    log.record(name, ok, error, f"{where}: max |sparse - dense| = {error:.3g} on {len(rows)} rows", items=len(rows))
+
+
+def check_mla_over_selection(log: CheckLog, name: str, attended: torch.Tensor, q_nope: torch.Tensor,
+                             q_rope: torch.Tensor, rows: list[int], seqs: list[int],
+                             latent_cache: PagedKVCacheCollection, cache_layer: int, indices: torch.Tensor,
+                             counts: torch.Tensor, kv_b_weight: torch.Tensor, *, scale: float, where: str) -> None:
+    """The layer's output of each of ``rows`` equals MLA over exactly the latent rows it selected.
+
+    Written in the absorbed form (``q_nope @ W_uk`` against the cached
+    ``kv_a_layernorm`` rows, values the same rows, then ``W_uv``), float32.
+    """
+    heads, nope = q_nope.shape[1], q_nope.shape[2]
+    latent = latent_cache.get_key_cache(cache_layer)
+    kv_lora_rank = kv_b_weight.shape[1]
+    w_uk, w_uv = _kv_b_halves(kv_b_weight, heads, nope, kv_lora_rank)
+    for i, (row, seq) in enumerate(zip(rows, seqs)):
+        count = int(counts[row])
+        selected = latent.load(seq, indices[row, :count].long())[:, 0].float()
+        c, k_rope = selected[:, :kv_lora_rank], selected[:, kv_lora_rank:]
+        q_absorbed = torch.einsum("hd,hdr->hr", q_nope[i].float(), w_uk)
+        logits = (q_absorbed @ c.T + q_rope[i].float() @ k_rope.T) * scale
+        o_latent = torch.softmax(logits, dim=-1) @ c if count else torch.zeros(heads, kv_lora_rank, device=c.device)
+        expected = torch.einsum("hr,hvr->hv", o_latent, w_uv).to(attended.dtype)
+        ok, error = _close(attended[row], expected)
+        log.record(name, ok, error, f"{where}, row {row}: max error {error:.3g} over {count} tokens")
+
+
 __all__ = ["TIE_TOLERANCE", "CheckLog", "CheckResult", "brute_force_kpool_scores", "brute_force_qsa_blocks",
-           "check_attention_over_selection", "check_pooled_keys", "check_sparse_equals_dense", "compare_topk"]
+           "check_attention_over_selection", "check_mla_equals_dense", "check_mla_over_selection", "check_pooled_keys",
+           "check_sparse_equals_dense", "compare_topk", "mla_queries"]

@@ -6,17 +6,23 @@ import torch
 
 from .demo_sweep import DENSE_LABEL, SPARSE_LABEL
 
+#: Published names of the MLA slice's families.
+MLA_NAMES = {"glm5_next": "GLM-5-Next", "glm_moe_dsa": "GLM-5", "deepseek_v32": "DeepSeek-V3.2"}
+
 STAGE_LABELS = {
     "embed": "embedding lookup",
     "qsa.project": "QSA q/k/v/gate + indexer projections",
     "qsa.norm_rope": "q/k norms + RoPE",
-    "cache.store": "paged store (K, V, raw indexer keys)",
+    "cache.store": "paged store (K, V, raw indexer keys, MLA latent rows)",
     "qsa.compress": "qsa_compress_keys_paged",
     "qsa.score": "qsa_block_score",
     "qsa.select": "qsa_select_tokens",
     "qsa.attention": "qsa_sparse_attention_paged",
-    "qsa.o_proj": "o_proj",
-    "kpool.project": "k-pool projections (q latent, q, k, gate, weights)",
+    "qsa.o_proj": "QSA o_proj",
+    "mla.project": "MLA q/kv LoRA projections + norms (+ RoPE)",
+    "mla.attention": "mla_sparse_attention_paged (+ W_uk/W_uv absorption)",
+    "mla.o_proj": "MLA o_proj",
+    "kpool.project": "k-pool indexer projections (q, k, gate, weights)",
     "kpool.pool_store": "k-pool ring close/compress/seed tail + store",
     "kpool.score": "mla_kpool_score",
     "kpool.select": "mla_kpool_expand_topk",
@@ -32,7 +38,7 @@ def build_report(server, options, sources: list[str], dtype: torch.dtype, wall_s
     ``server`` is the ``DemoServer`` that served the workload; ``options`` its
     ``DemoOptions`` with ``shared_prefix`` resolved to a token count.
     """
-    q, g = server.qwen.config, server.glm.config
+    q, g = server.qwen.config, server.mla.config
     t = server.totals
     metrics = server.manager.metrics()
     attention_usage = metrics.groups["attention"]
@@ -51,9 +57,13 @@ def build_report(server, options, sources: list[str], dtype: torch.dtype, wall_s
                           "head_dim": q.head_dim, "rotary_dim": q.rotary_dim,
                           "indexer_heads": q.indexer_n_heads, "indexer_head_dim": q.indexer_head_dim,
                           "ratio": q.indexer_compress_ratio, "budget": q.indexer_budget},
-            "glm5_next": {"index_layers": list(g.index_layers), "hidden_size": g.hidden_size,
-                          "index_heads": g.index_n_heads, "index_head_dim": g.index_head_dim,
-                          "kpool": g.index_kpool, "topk": g.index_topk, "mode": g.index_kpool_mode},
+            "mla": {"family": g.model_type, "index_layers": list(g.index_layers),
+                    "full_index_layers": list(g.full_index_layers), "hidden_size": g.hidden_size,
+                    "heads": g.num_attention_heads, "q_lora_rank": g.q_lora_rank, "kv_lora_rank": g.kv_lora_rank,
+                    "qk_nope_head_dim": g.qk_nope_head_dim, "qk_rope_head_dim": g.qk_rope_head_dim,
+                    "v_head_dim": g.v_head_dim, "index_heads": g.index_n_heads, "index_head_dim": g.index_head_dim,
+                    "kpool": g.index_kpool, "topk": g.index_topk, "mode": g.index_kpool_mode,
+                    "select_tail": g.index_kpool > 1 and g.index_kpool_always_select_tail},
             "sources": sources,
         },
         "workload": {"device": str(server.device), "dtype": str(dtype).replace("torch.", ""),
@@ -81,7 +91,9 @@ def build_report(server, options, sources: list[str], dtype: torch.dtype, wall_s
             "kv_fraction": t.sparse_bytes / t.dense_bytes if t.dense_bytes else 0.0,
             "decode_kv_fraction": t.decode_sparse_bytes / t.decode_dense_bytes if t.decode_dense_bytes else 0.0,
             "indexer_bytes": t.indexer_bytes,
-            "indexer_fraction": t.indexer_bytes / t.dense_bytes if t.dense_bytes else 0.0},
+            "indexer_fraction": t.indexer_bytes / t.dense_bytes if t.dense_bytes else 0.0,
+            "mla_latent_bytes_sparse": t.mla_sparse_bytes, "mla_latent_bytes_dense": t.mla_dense_bytes,
+            "mla_latent_fraction": t.mla_sparse_bytes / t.mla_dense_bytes if t.mla_dense_bytes else 0.0},
         "time_breakdown": breakdown,
         "checks": [r.to_dict() for r in server.checks.results.values()],
         "checks_passed": server.checks.all_passed,
@@ -102,15 +114,20 @@ def _fmt_bytes(value: float) -> str:
 def format_report(report: dict) -> str:
     """The report as text (what ``sparsekv demo`` prints)."""
     m, w, tok = report["model"], report["workload"], report["tokens"]
-    q, g = m["qwen4_exp"], m["glm5_next"]
+    q, g = m["qwen4_exp"], m["mla"]
+    shared = [layer for layer in g["index_layers"] if layer not in g["full_index_layers"]]
     thr, pages, prefix, reads = report["throughput"], report["pages"], report["prefix_cache"], report["sparse_reads"]
     lines = [
         "sparsekv demo",
         f"  model      Qwen4Exp QSA layers {q['qsa_layers']}: {q['heads']} q / {q['kv_heads']} kv heads x "
         f"{q['head_dim']} (RoPE {q['rotary_dim']}), indexer {q['indexer_heads']} x {q['indexer_head_dim']}, "
         f"R={q['ratio']}, budget {q['budget']}",
-        f"             GLM-5-Next k-pool indexer layers {g['index_layers']}: {g['index_heads']} x "
-        f"{g['index_head_dim']}, kpool {g['kpool']} ({g['mode']}), topk {g['topk']}",
+        f"             {MLA_NAMES.get(g['family'], g['family'])} MLA layers {g['index_layers']}"
+        f"{f' ({shared} shared)' if shared else ''}: {g['heads']} heads, latent {g['kv_lora_rank']} + RoPE "
+        f"{g['qk_rope_head_dim']}, nope {g['qk_nope_head_dim']}, v {g['v_head_dim']};",
+        f"             indexer {g['index_heads']} x {g['index_head_dim']}, kpool {g['kpool']}"
+        f"{' (' + g['mode'] + ')' if g['kpool'] > 1 else ''}"
+        f"{', tail' if g['select_tail'] else ''}, topk {g['topk']}",
         *[f"             {source}" for source in m["sources"]],
         f"  workload   {w['requests']} requests x {w['context']} prompt tokens ({w['shared_prefix']} shared) + "
         f"{w['decode_tokens']} decode tokens; {w['step_tokens']} tokens/step, page size {w['page_size']}; "
@@ -125,9 +142,11 @@ def format_report(report: dict) -> str:
         f"per page id over all cache groups)",
         f"  prefix     hit rate {prefix['hit_rate']:.1%} ({prefix['hit_tokens']} of {prefix['query_tokens']} prompt "
         f"tokens; {prefix['requests_hit']} of {prefix['requests']} requests hit)",
-        f"  sparsity   sparse attention read {reads['kv_fraction']:.1%} of the dense KV bytes "
+        f"  sparsity   QSA read {reads['kv_fraction']:.1%} of the dense KV bytes "
         f"({_fmt_bytes(reads['kv_bytes_sparse'])} of {_fmt_bytes(reads['kv_bytes_dense'])}); decode rows "
         f"{reads['decode_kv_fraction']:.1%}; indexer reads add {reads['indexer_fraction']:.1%}",
+        f"             MLA read {reads['mla_latent_fraction']:.1%} of the dense latent bytes "
+        f"({_fmt_bytes(reads['mla_latent_bytes_sparse'])} of {_fmt_bytes(reads['mla_latent_bytes_dense'])})",
         "",
         "  time by op (serving; checks excluded)",
     ]

@@ -6,17 +6,19 @@ dispatches and sampled checks whatever its size. So the bar counts an
 estimate of each step's cost instead, in multiply-adds:
 
 * per row at position ``t``: the projections (every linear weight of both
-  slices), QSA sparse attention over ``min(t + 1, budget + R - 1)`` tokens,
-  QSA block scores over ``(t + 1) // R`` blocks and k-pool scores over
-  ``(t + 1) // kpool`` pools;
+  slices; MLA's ``kv_b_proj`` counts once per row, which is what absorbing it
+  into the query and the output costs), QSA sparse attention over
+  ``min(t + 1, budget + R - 1)`` tokens, MLA sparse attention over
+  ``min(t + 1, index_topk + kpool - 1)`` latent rows, QSA block scores over
+  ``(t + 1) // R`` blocks and k-pool scores over ``(t + 1) // kpool`` pools;
 * per sequence in a step: the QSA compress reading its raw index keys and the
   next-token logits;
 * per step: a fixed cost, :data:`STEP_OVERHEAD_MACS`.
 
 Example (``DEFAULT_QWEN``/``DEFAULT_GLM``): a 512-row prefill chunk at positions
-1536..2047 is about 1.0e10 multiply-adds plus the step cost, an 8-row decode
-step at position 2048 about 1.7e8 plus the step cost, so with the 3e9 step
-cost the prefill step counts 4.1 decode steps instead of 64.
+1536..2047 is about 1.4e10 multiply-adds plus the step cost, an 8-row decode
+step at position 2048 about 2.3e8 plus the step cost, so with the 3e9 step
+cost the prefill step counts 5.2 decode steps instead of 64.
 """
 
 from __future__ import annotations
@@ -69,39 +71,47 @@ class ServingWork:
     qsa_ratio: int
     qsa_score_macs: int  # per visible block: indexer heads x indexer head dim
     qsa_compress_macs: int  # per raw index key read by the compress
-    kpool_layers: int
+    kpool_layers: int  # layers that run their own indexer
     kpool_score_macs: int  # per visible pool: index heads x index head dim
     kpool: int
+    mla_layers: int
+    mla_attention_macs: int  # per attended latent row: q.row and p.c over all heads
+    mla_window: int  # index_topk + kpool - 1: the most latent rows a row attends
     logits_macs: int  # per sequence: hidden x vocab
     step_overhead_macs: float = STEP_OVERHEAD_MACS
 
     @classmethod
-    def for_models(cls, qwen: nn.Module, glm: nn.Module, vocab: int,
+    def for_models(cls, qwen: nn.Module, mla: nn.Module, vocab: int,
                    step_overhead_macs: float = STEP_OVERHEAD_MACS) -> ServingWork:
-        """From a ``Qwen4ExpSlice`` and a ``Glm5NextIndexerSlice`` (their configs and linear weights)."""
-        q, g = qwen.config, glm.config
-        linear_weights = sum(module.weight.numel() for model in (qwen, glm) for module in model.modules()
+        """From a ``Qwen4ExpSlice`` and an ``MlaSlice`` (their configs and linear weights)."""
+        q, g = qwen.config, mla.config
+        linear_weights = sum(module.weight.numel() for model in (qwen, mla) for module in model.modules()
                              if isinstance(module, nn.Linear))
         # the k-pool gate projection is a bare [index_head_dim, hidden] parameter, as HF names it
-        linear_weights += sum(weight.numel() for name, weight in glm.named_parameters()
+        linear_weights += sum(weight.numel() for name, weight in mla.named_parameters()
                               if name.endswith("index_kpool_compress_gate"))
         return cls(projection_macs=linear_weights, qsa_layers=len(q.qsa_layers),
                    qsa_attention_macs=2 * q.num_attention_heads * q.head_dim,
                    qsa_window=q.indexer_budget + q.indexer_compress_ratio - 1, qsa_ratio=q.indexer_compress_ratio,
                    qsa_score_macs=q.indexer_n_heads * q.indexer_head_dim, qsa_compress_macs=q.indexer_head_dim,
-                   kpool_layers=len(g.index_layers), kpool_score_macs=g.index_n_heads * g.index_head_dim,
-                   kpool=g.index_kpool, logits_macs=q.hidden_size * vocab, step_overhead_macs=step_overhead_macs)
+                   kpool_layers=len(g.full_index_layers), kpool_score_macs=g.index_n_heads * g.index_head_dim,
+                   kpool=g.index_kpool, mla_layers=len(g.index_layers),
+                   mla_attention_macs=g.num_attention_heads * (2 * g.kv_lora_rank + g.qk_rope_head_dim),
+                   mla_window=g.index_topk + g.index_kpool - 1, logits_macs=q.hidden_size * vocab,
+                   step_overhead_macs=step_overhead_macs)
 
     def rows(self, start: int, stop: int) -> float:
         """Rows at positions ``start .. stop - 1`` of one sequence: projections, attention, scores."""
         if stop <= start:
             return 0.0
         attended = _sum_min(start + 1, stop, self.qsa_window)
+        latent_rows = _sum_min(start + 1, stop, self.mla_window)
         blocks = _sum_floor_div(stop, self.qsa_ratio) - _sum_floor_div(start, self.qsa_ratio)
         pools = _sum_floor_div(stop, self.kpool) - _sum_floor_div(start, self.kpool)
         return float((stop - start) * self.projection_macs
                      + self.qsa_layers * (attended * self.qsa_attention_macs + blocks * self.qsa_score_macs)
-                     + self.kpool_layers * pools * self.kpool_score_macs)
+                     + self.kpool_layers * pools * self.kpool_score_macs
+                     + self.mla_layers * latent_rows * self.mla_attention_macs)
 
     def chunk(self, start: int, rows: int) -> float:
         """One sequence's ``rows`` new tokens after ``start`` cached ones, in one step (the step cost apart)."""
