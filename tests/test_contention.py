@@ -1,0 +1,63 @@
+"""The CPU kernels' contention policy (fake timings, not speed) and the benchmarks' busy processes."""
+
+from __future__ import annotations
+
+import numba
+import pytest
+
+from sparsekv.kernels.cpu import _parallel
+from sparsekv.kernels.cpu._parallel import ContentionPolicy, numba_threads, threads_for
+
+
+def test_parallel_region_that_ran_in_parallel_keeps_threads():
+    policy = ContentionPolicy()
+    policy.record(2, wall=0.010, cpu=0.019, now=1.0)
+    assert policy.allow_parallel(1.0)
+    assert policy.contended_regions == 0
+
+
+def test_contended_region_falls_back_then_probes_with_growing_backoff():
+    policy = ContentionPolicy(first_backoff=0.1, max_backoff=0.3)
+    policy.record(2, wall=0.050, cpu=0.022, now=1.0)  # 0.44 threads' worth of CPU: a worker sat descheduled
+    assert not policy.allow_parallel(1.05)
+    assert policy.allow_parallel(1.1)  # the probe
+    policy.record(2, wall=0.040, cpu=0.030, now=1.2)  # still contended: twice the wait
+    assert not policy.allow_parallel(1.39)
+    assert policy.allow_parallel(1.4)
+    policy.record(2, wall=0.040, cpu=0.030, now=2.0)
+    policy.record(2, wall=0.040, cpu=0.030, now=3.0)  # capped at max_backoff
+    assert not policy.allow_parallel(3.29) and policy.allow_parallel(3.3)
+    policy.record(2, wall=0.010, cpu=0.019, now=4.0)  # a good probe resets the backoff
+    policy.record(2, wall=0.050, cpu=0.022, now=5.0)
+    assert policy.allow_parallel(5.1) and not policy.allow_parallel(5.09)
+    assert policy.contended_regions == 5
+
+
+@pytest.mark.parametrize(("threads", "wall", "cpu", "contended"), [
+    (1, 0.050, 0.001, False),   # one thread: nothing to judge
+    (2, 0.0001, 0.0001, False),  # too short to judge (serial dispatch weighs on it)
+    (2, 0.010, 0.0129, True),   # just below 1.3 threads' worth
+    (2, 0.010, 0.0131, False),
+    (4, 0.010, 0.0189, True),   # 4 threads must show 1.9 threads' worth
+    (4, 0.010, 0.0191, False),
+])
+def test_contention_threshold(threads, wall, cpu, contended):
+    policy = ContentionPolicy()
+    policy.record(threads, wall=wall, cpu=cpu, now=0.0)
+    assert policy.allow_parallel(0.0) is not contended
+
+
+def test_numba_threads_follows_the_policy(monkeypatch):
+    policy = ContentionPolicy()
+    monkeypatch.setattr(_parallel, "CONTENTION", policy)
+    available = numba.get_num_threads()
+    with threads_for(_parallel.PARALLEL_MIN_WORK):
+        assert numba.get_num_threads() == available
+    with threads_for(0), numba_threads(0):
+        assert numba.get_num_threads() == 1
+    policy.serial_until = float("inf")
+    with numba_threads(available):
+        assert numba.get_num_threads() == 1
+    assert numba.get_num_threads() == available
+    policy.reset()
+    assert policy.allow_parallel(0.0)
