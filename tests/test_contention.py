@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numba
 import pytest
 
@@ -61,3 +63,34 @@ def test_numba_threads_follows_the_policy(monkeypatch):
     assert numba.get_num_threads() == available
     policy.reset()
     assert policy.allow_parallel(0.0)
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` is a live (not zombie) process."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_busy_processes_run_for_the_block_and_are_stopped_after(fail):
+    from sparsekv.bench.common import busy_processes, format_table
+
+    with pytest.raises(KeyboardInterrupt) if fail else contextlib.nullcontext():
+        with busy_processes(2, settle_s=0.0) as load:
+            pids = list(load.pids)
+            assert len(pids) == 2 and all(_alive(pid) for pid in pids)
+            if fail:
+                raise KeyboardInterrupt
+    assert not any(_alive(pid) for pid in pids)
+    assert load.load_after is not None
+    assert "load: 2 busy processes" in format_table([], load)
+
+
+def test_busy_processes_rejects_a_negative_count():
+    from sparsekv.bench.common import busy_processes
+
+    with pytest.raises(ValueError, match="count must be >= 0, got -1"), busy_processes(-1):
+        pass

@@ -1,11 +1,11 @@
-"""Paged store/load throughput against a same-run torch copy of the same bytes."""
+"""Paged store/load throughput against a same-run torch copy of the same bytes and the op on one thread."""
 
 from __future__ import annotations
 
 import torch
 
 from ..cache.layout import SENTINEL, PagedKVCacheCollection
-from .common import BenchRow, copy_peer, time_call
+from .common import BenchRow, copy_peer, one_thread, time_call
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 
@@ -35,15 +35,23 @@ def run(quick: bool = False) -> list[BenchRow]:
             offsets = torch.arange(0, batch * tokens + 1, tokens, dtype=torch.int32)
             nbytes = values.numel() * values.element_size()
             shape = f"B={batch} new={tokens} cached={cached} 2x256 page=128"
-            ours = time_call(lambda: view.store(values, offsets), repeat=5)
+            def store():
+                view.store(values, offsets)
+
+            ours = time_call(store, repeat=5)
+            single = time_call(one_thread(store), repeat=5)
             peer = time_call(copy_peer(nbytes), repeat=5)
             rows.append(BenchRow("paged_store", shape, _DTYPE_NAMES[dtype], "cpu", ours, nbytes,
-                                 {"copy": peer}))
+                                 {"1thread": single, "copy": peer}))
             positions = torch.arange(cached + tokens)
             view.store(values, offsets)
             load_bytes = batch * (cached + tokens) * 2 * 256 * values.element_size()
-            ours = time_call(lambda: [view.load(b, positions) for b in range(batch)], repeat=5)
+            def load():
+                return [view.load(b, positions) for b in range(batch)]
+
+            ours = time_call(load, repeat=5)
+            single = time_call(one_thread(load), repeat=5)
             peer = time_call(copy_peer(load_bytes), repeat=5)
             rows.append(BenchRow("paged_load", f"B={batch} tokens={cached + tokens} 2x256 page=128",
-                                 _DTYPE_NAMES[dtype], "cpu", ours, load_bytes, {"copy": peer}))
+                                 _DTYPE_NAMES[dtype], "cpu", ours, load_bytes, {"1thread": single, "copy": peer}))
     return rows

@@ -6,7 +6,7 @@ partial block), as ``benchmarks/max_peer.py`` builds them. Main attention:
 24 query heads, 2 KV heads, head dim 256, budget 2048 tokens.
 
 Every row times the public op (``SPARSEKV_BACKEND=auto``: the CPU path) and,
-in the same run, its peers: the reference backend (``reference``), a torch
+in the same run, its peers: the same op on one thread (``1thread``), the reference backend (``reference``), a torch
 copy of the same number of bytes (``copy``), dense SDPA over the whole history
 for sparse attention (``sdpa``), for block score and sparse attention the same
 multiply-adds at the register tile's peak (``peak``, :mod:`.peak`; its column
@@ -31,7 +31,7 @@ from ..cache.layout import SENTINEL, PagedKVCacheCollection
 from ..cache.memory import allocate_pages
 from ..numerics import rope_freqs_cis
 from ..ops.qsa import qsa_block_score, qsa_compress_keys_paged, qsa_select_tokens, qsa_sparse_attention_paged
-from .common import BenchRow, copy_peer, time_interleaved
+from .common import BenchRow, copy_peer, one_thread, time_interleaved
 from .peak import tile_peak_peer
 
 HEAD_DIM, RATIO, ROTARY_DIM, PAGE_SIZE, THETA, EPS = 128, 4, 64, 128, 1e7, 1e-6
@@ -72,13 +72,13 @@ def _paged(batch: int, tokens: int, planes: int, heads: int, dim: int, dtype: to
 
 def _time_with_peers(call, **peers) -> tuple[float, dict[str, float]]:
     """Our time and each peer's, interleaved (:func:`.common.time_interleaved`); the ``reference`` peer
-    is ``call`` itself under ``SPARSEKV_BACKEND=reference``."""
+    is ``call`` itself under ``SPARSEKV_BACKEND=reference``, the ``1thread`` peer ``call`` on one thread."""
 
     def reference():
         with backend("reference"):
             call()
 
-    times = time_interleaved({"ours": call, "reference": reference, **peers})
+    times = time_interleaved({"ours": call, "1thread": one_thread(call), "reference": reference, **peers})
     return times.pop("ours"), times
 
 
