@@ -25,5 +25,8 @@ if __name__ == "__main__":
     with busy_processes(args.contention) as load:
         rows = qsa.run(quick=args.quick, max_python=args.max_python, threads=args.threads)
     print(format_table(rows, load))
+    for row in rows:
+        if row.note:
+            print(f"{row.op} {row.shape} {row.dtype}: {row.note}")
     if args.json:
         args.json.write_text(rows_to_json(rows, load))

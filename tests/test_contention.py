@@ -1,4 +1,5 @@
-"""The CPU kernels' contention policy (fake timings, not speed) and the benchmarks' busy processes."""
+"""The CPU kernels' contention policy (fake timings, not speed) and the benchmarks under load: busy
+processes, single-thread and fastest-layout dense peers."""
 
 from __future__ import annotations
 
@@ -94,3 +95,16 @@ def test_busy_processes_rejects_a_negative_count():
 
     with pytest.raises(ValueError, match="count must be >= 0, got -1"), busy_processes(-1):
         pass
+
+
+def test_sparse_attention_bench_compares_against_the_faster_dense_layout():
+    import torch
+
+    from sparsekv.bench.qsa import bench_sparse_attention
+
+    row = bench_sparse_attention(1, 512, torch.bfloat16)
+    dense = [name for name in row.peers_ms if name.startswith("sdpa")]
+    assert len(dense) == 1 and "1thread" in row.peers_ms
+    times = dict(part.rsplit(" ", 2)[:2] for part in row.note.split(": ", 1)[1].split(", "))
+    assert set(times) == {"sdpa(rows)", "sdpa(gqa)"}
+    assert row.peers_ms[dense[0]] == pytest.approx(min(float(t) for t in times.values()), abs=1e-3)
