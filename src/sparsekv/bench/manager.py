@@ -153,4 +153,4 @@ def run(quick: bool = False) -> list[BenchRow]:
     """Decode step of 256 requests (1024 cached tokens), prepare alone, and prefill lifecycles."""
     if quick:
         return _decode_rows(32, 64, repeat=3) + _prefill_rows(4, 64, repeat=3)
-    return _decode_rows(256, 1024, repeat=20) + _prefill_rows(32, 512, repeat=10)
+    return _decode_rows(256, 1024, repeat=20) + _prefill_rows(32, 2048, repeat=10)
