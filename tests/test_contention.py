@@ -108,3 +108,24 @@ def test_sparse_attention_bench_compares_against_the_faster_dense_layout():
     times = dict(part.rsplit(" ", 2)[:2] for part in row.note.split(": ", 1)[1].split(", "))
     assert set(times) == {"sdpa(rows)", "sdpa(gqa)"}
     assert row.peers_ms[dense[0]] == pytest.approx(min(float(t) for t in times.values()), abs=1e-3)
+
+
+def test_torch_threads_follow_the_policy_and_are_given_back():
+    import torch
+
+    before, threads = torch.get_num_threads(), 2
+    torch.set_num_threads(threads)
+    policy = ContentionPolicy(torch_threads=True)
+    try:
+        policy.record(2, wall=0.050, cpu=0.022, now=0.0)
+        assert torch.get_num_threads() == 1 and policy.saved_torch_threads == threads
+        policy.record(2, wall=0.050, cpu=0.022, now=1.0)  # still contended: nothing more to save
+        assert policy.saved_torch_threads == threads
+        policy.record(2, wall=0.010, cpu=0.019, now=2.0)
+        assert torch.get_num_threads() == threads and policy.saved_torch_threads is None
+        policy.record(2, wall=0.050, cpu=0.022, now=3.0)
+        torch.set_num_threads(threads)  # the user's own setting meanwhile stands
+        policy.reset()
+        assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(before)
