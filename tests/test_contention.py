@@ -20,20 +20,21 @@ def test_parallel_region_that_ran_in_parallel_keeps_threads():
 
 
 def test_contended_region_falls_back_then_probes_with_growing_backoff():
-    policy = ContentionPolicy(first_backoff=0.1, max_backoff=0.3)
+    policy = ContentionPolicy(first_backoff=0.1, first_calls=2, max_level=2)
     policy.record(2, wall=0.050, cpu=0.022, now=1.0)  # 0.44 threads' worth of CPU: a worker sat descheduled
-    assert not policy.allow_parallel(1.05)
-    assert policy.allow_parallel(1.1)  # the probe
-    policy.record(2, wall=0.040, cpu=0.030, now=1.2)  # still contended: twice the wait
-    assert not policy.allow_parallel(1.39)
-    assert policy.allow_parallel(1.4)
+    assert [policy.allow_parallel(1.05) for _ in range(3)] == [False] * 3  # too early, however many calls
+    assert policy.allow_parallel(1.1)  # the try: 0.1 s passed and 2 calls declined
+    policy.record(2, wall=0.040, cpu=0.030, now=1.2)  # still contended: 0.2 s and 4 calls
+    assert not policy.allow_parallel(1.4) and not policy.allow_parallel(1.5)  # late enough, 2 calls of 4
+    assert [policy.allow_parallel(2.0) for _ in range(3)] == [False] * 2 + [True]
     policy.record(2, wall=0.040, cpu=0.030, now=2.0)
-    policy.record(2, wall=0.040, cpu=0.030, now=3.0)  # capped at max_backoff
-    assert not policy.allow_parallel(3.29) and policy.allow_parallel(3.3)
-    policy.record(2, wall=0.010, cpu=0.019, now=4.0)  # a good probe resets the backoff
-    policy.record(2, wall=0.050, cpu=0.022, now=5.0)
-    assert policy.allow_parallel(5.1) and not policy.allow_parallel(5.09)
-    assert policy.contended_regions == 5
+    policy.record(2, wall=0.040, cpu=0.030, now=3.0)  # capped at max_level: 0.4 s and 8 calls
+    assert policy.level == 2
+    assert not any(policy.allow_parallel(3.39) for _ in range(20))
+    assert policy.allow_parallel(3.4)
+    policy.record(2, wall=0.010, cpu=0.019, now=4.0)  # a try that ran in parallel lowers the level
+    assert policy.level == 1 and policy.allow_parallel(4.0)
+    assert policy.contended_regions == 4
 
 
 @pytest.mark.parametrize(("threads", "wall", "cpu", "contended"), [

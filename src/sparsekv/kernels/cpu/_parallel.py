@@ -94,12 +94,17 @@ class ContentionPolicy:
     After each judged region on ``threads > 1`` threads, :meth:`record` gets
     its wall time and the process CPU time spent in it (seconds). Their
     ratio, the threads that actually ran, below ``1 + (threads - 1) *
-    min_share`` means the cores were taken by someone else: parallel
-    regions then run on one thread for ``backoff`` seconds, doubling (up to
-    ``max_backoff``) each time the next try is again contended and reset by
-    a region that ran in parallel. Regions shorter than ``min_wall`` are not
-    judged (kernel dispatch is serial and weighs on them), but they follow
-    the decision.
+    min_share`` means the cores were taken by someone else: the following
+    regions then run on one thread until both ``first_backoff * 2**level``
+    seconds and ``first_calls * 2**level`` declined calls have passed, and
+    the next region tries the threads again. A contended try raises
+    ``level`` (up to ``max_level``), one that ran in parallel lowers it, so
+    a machine that stays busy is probed rarely (a failed try costs up to a
+    scheduler slice) and a quiet one gets its threads back within
+    ``first_backoff * 2**max_level`` seconds. Counting calls as well as
+    seconds keeps rare calls (seconds apart) from being a try each. Regions
+    shorter than ``min_wall`` are not judged (kernel dispatch is serial and
+    weighs on them), but they follow the decision.
 
     With ``torch_threads``, torch's intra-op threads follow the same
     decision: set to one when a region is judged contended, given back (when
@@ -107,25 +112,31 @@ class ContentionPolicy:
     OpenMP pool waits for a descheduled worker just as numba's does.
 
     Example: ``policy.record(2, wall=0.050, cpu=0.022, now=t)`` (a 2-thread
-    region that ran 0.44 threads' worth) makes ``policy.allow_parallel(t +
-    0.01)`` false until ``t + policy.first_backoff``.
+    region that ran 0.44 threads' worth) makes ``policy.allow_parallel(now)``
+    false for the next ``first_calls`` calls and until ``t + first_backoff``.
     """
 
     def __init__(self, *, min_share: float = 0.3, min_wall: float = 2e-4, first_backoff: float = 0.1,
-                 max_backoff: float = 3.2, torch_threads: bool = False) -> None:
-        self.torch_threads = torch_threads
-        self.saved_torch_threads: int | None = None
+                 first_calls: int = 2, max_level: int = 5, torch_threads: bool = False) -> None:
         self.min_share = min_share
         self.min_wall = min_wall
         self.first_backoff = first_backoff
-        self.max_backoff = max_backoff
-        self.backoff = first_backoff
+        self.first_calls = first_calls
+        self.max_level = max_level
+        self.torch_threads = torch_threads
+        self.saved_torch_threads: int | None = None
+        self.level = 0
         self.serial_until = float("-inf")
+        self.serial_calls = 0
         self.contended_regions = 0
 
     def allow_parallel(self, now: float) -> bool:
-        """Whether a region starting at ``now`` (``time.perf_counter()`` seconds) may use several threads."""
-        return now >= self.serial_until
+        """Whether a region starting at ``now`` (``time.perf_counter()`` seconds) may use several threads;
+        a call declined counts towards the next try."""
+        if now >= self.serial_until and self.serial_calls <= 0:
+            return True
+        self.serial_calls -= 1
+        return False
 
     def record(self, threads: int, wall: float, cpu: float, now: float) -> None:
         """Judge a region that ran on ``threads`` threads for ``wall`` seconds using ``cpu`` seconds of the
@@ -134,18 +145,19 @@ class ContentionPolicy:
             return
         if cpu < wall * (1.0 + (threads - 1) * self.min_share):
             self.contended_regions += 1
-            self.serial_until = now + self.backoff
-            self.backoff = min(2.0 * self.backoff, self.max_backoff)
+            self.serial_until = now + self.first_backoff * 2**self.level
+            self.serial_calls = self.first_calls * 2**self.level
+            self.level = min(self.level + 1, self.max_level)
             if self.torch_threads and self.saved_torch_threads is None and torch.get_num_threads() > 1:
                 self.saved_torch_threads = torch.get_num_threads()
                 torch.set_num_threads(1)
         else:
-            self.backoff = self.first_backoff
+            self.level = max(self.level - 1, 0)
             self._give_back_torch_threads()
 
     def reset(self) -> None:
         """Forget what was seen: the next region may use every thread (and torch its threads)."""
-        self.backoff = self.first_backoff
+        self.level = self.serial_calls = 0
         self.serial_until = float("-inf")
         self._give_back_torch_threads()
 
