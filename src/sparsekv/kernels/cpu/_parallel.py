@@ -23,9 +23,10 @@ same plus one busy process    49.9-53.1              2.0-2.2
 ============================  =====================  =====================
 
 The 2-thread regions' process CPU time over wall time was 0.40-0.66 under
-load (a worker sat descheduled while the others waited at the barrier) and
-about 1.9 on idle cores, so it tells contention apart from slow work without
-knowing how long the kernel should take. Smaller dynamic chunks do not help:
+load (a worker sat descheduled while the others waited at the barrier),
+where two threads that both run give close to 2 whatever the kernel, so the
+ratio tells contention apart from slow work without knowing how long the
+kernel should take. Smaller dynamic chunks do not help:
 a descheduled worker holds the chunk it is in, and the barrier waits for it
 whatever the chunk size. The check costs two process-clock reads (about
 1 us each) per parallel call.
@@ -34,8 +35,10 @@ torch's own intra-op threads (an OpenMP pool too) wait the same way: with
 one busy process, an elementwise op on a 512 x 24 x 256 float32 tensor took
 16-24 ms on torch's 2 threads against 1.6-1.7 ms on one, and the demo's
 serving time was 74 s with numba alone falling back against 16 s with every
-pool on one thread. So the policy sets torch's threads to one as well while
-it sees contention, and gives them back when a parallel region runs well.
+pool on one thread (11.6 s with this policy; one busy process, load average
+4-8). So the policy sets torch's
+threads to one as well while it sees contention, and gives them back when a
+parallel region runs well.
 
 Example: ``with threads_for(rows * cols * dim): kernel(...)`` runs ``kernel``
 on one thread for a decode-sized call and on all of numba's threads for a
