@@ -1,6 +1,6 @@
 """k-pool compress and decode score at GLM-5.3 shapes, next to the reference and a torch copy.
 
-    python benchmarks/bench_kpool.py [--quick] [--json FILE] [--threads N]
+    python benchmarks/bench_kpool.py [--quick] [--json FILE] [--contention N] [--threads N]
 """
 
 import argparse
@@ -10,21 +10,24 @@ import numba
 import torch
 
 from sparsekv.bench import kpool
-from sparsekv.bench.common import format_table, rows_to_json
+from sparsekv.bench.common import busy_processes, format_table, rows_to_json
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one small shape per op")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON")
+    parser.add_argument("--contention", type=int, default=0, metavar="N",
+                        help="run with N busy processes competing for the CPUs (stopped at the end)")
     parser.add_argument("--threads", type=int, help="torch and numba threads (default: as configured)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
         numba.set_num_threads(args.threads)
-    rows = kpool.run(quick=args.quick)
-    print(format_table(rows))
+    with busy_processes(args.contention) as load:
+        rows = kpool.run(quick=args.quick)
+    print(format_table(rows, load))
     for row in rows:
         if row.note:
             print(f"{row.op} {row.shape} {row.dtype}: {row.note}")
     if args.json:
-        args.json.write_text(rows_to_json(rows))
+        args.json.write_text(rows_to_json(rows, load))

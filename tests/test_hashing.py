@@ -2,12 +2,17 @@
 
 import hashlib
 import os
+import random
 import subprocess
 import sys
 
 import pytest
 
-from sparsekv.cache.hashing import PAGE_HASH_BYTES, encode_namespace, page_hash, prefix_page_hashes
+import torch
+
+from sparsekv.cache.hashing import (PAGE_HASH_BYTES, chained_page_hashes, encode_namespace, page_hash,
+                                    prefix_page_hashes, token_bytes)
+from sparsekv.cache.manager import CacheGroupSpec, PagedKVCacheManager
 
 TOKENS = [3, 141, 59, 26, 535, 8979, 32, 38, 4626, 43, 383, 27950, 288, 41971, 69399, 3]
 
@@ -66,3 +71,43 @@ def test_bad_arguments():
         encode_namespace(True)
     with pytest.raises(ValueError, match="page_size"):
         prefix_page_hashes([1, 2], 0)
+
+
+def _spelled_out_chain(tokens: list[int], page_size: int, namespace) -> list[bytes]:
+    """The documented encoding, page by page, with hashlib alone."""
+    hashes, parent = [], bytes(32)
+    for start in range(0, len(tokens) - page_size + 1, page_size):
+        body = b"".join(t.to_bytes(8, "little", signed=True) for t in tokens[start:start + page_size])
+        parent = hashlib.sha256(b"sparsekv/page-hash/v1\x00" + parent + encode_namespace(namespace)
+                                + page_size.to_bytes(8, "little") + body).digest()
+        hashes.append(parent)
+    return hashes
+
+
+def test_chains_and_manager_hashes_equal_the_encoding_for_random_prompts(seed):
+    rng = random.Random(seed)
+    for _ in range(20):
+        page_size = rng.choice([1, 2, 4, 16])
+        namespace = rng.choice([None, "lora-a", b"salt", 7])
+        tokens = [rng.randrange(2 ** rng.choice([8, 17, 62])) for _ in range(rng.randrange(0, 150))]
+        want = _spelled_out_chain(tokens, page_size, namespace)
+        assert prefix_page_hashes(tokens, page_size, namespace) == want
+        pages = len(tokens) // page_size
+        middle = list(chained_page_hashes(want[0] if want else None, token_bytes(tokens[page_size:pages * page_size]),
+                                          page_size, encode_namespace(namespace)))
+        assert middle == want[1:]
+        # the manager: committed in random chunks, then a second request hitting the cached pages
+        mgr = PagedKVCacheManager([CacheGroupSpec("kv", 1, 1, 1, 1, torch.float32)], page_size=page_size,
+                                  num_pages=2 * pages + 4)
+        mgr.claim("a", tokens, namespace=namespace)
+        mgr.allocate("a", len(tokens))
+        done = 0
+        while done < len(tokens):
+            chunk = rng.randrange(1, 9)
+            mgr.step("a", tokens[done:done + chunk])
+            done += chunk
+        assert mgr._requests["a"].page_hashes == want
+        hit = mgr.claim("b", tokens, namespace=namespace)
+        assert hit == max(0, (len(tokens) - 1) // page_size) * page_size
+        assert mgr._requests["b"].page_hashes == want[:hit // page_size]
+        mgr.check_invariants()

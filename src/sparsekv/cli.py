@@ -11,6 +11,7 @@ Examples::
     sparsekv demo --checkpoint ckpt/ --plot decode.png
     sparsekv bench --quick --only qsa,kpool --json bench.json
     sparsekv generate --model ckpt/ --prompt-tokens 4096 --new-tokens 32   # a local HF checkpoint
+    sparsekv bench --only qsa --contention 2      # the same with two busy processes competing
 """
 
 from __future__ import annotations
@@ -113,8 +114,10 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .bench.common import format_table, rows_to_json
+    from .bench.common import busy_processes, format_table, rows_to_json
 
+    if args.contention < 0:
+        return _usage_error("bench", f"--contention: expected a number of busy processes >= 0, got {args.contention}")
     families = BENCH_FAMILIES if not args.only else tuple(f.strip() for f in args.only.split(",") if f.strip())
     unknown = [f for f in families if f not in BENCH_FAMILIES]
     if unknown or not families:
@@ -124,20 +127,23 @@ def _bench(args: argparse.Namespace) -> int:
         return _usage_error("bench", problem)
     if args.json and (problem := output_path_problem("--json", args.json)):
         return _usage_error("bench", problem)
-    rows = []
+    modules = []
     for family in families:
         try:
-            module = importlib.import_module(f"sparsekv.bench.{family}")
+            modules.append(importlib.import_module(f"sparsekv.bench.{family}"))
         except ModuleNotFoundError as err:
             print(f"sparsekv bench: error: benchmark module sparsekv.bench.{family} is missing ({err})",
                   file=sys.stderr)
             return 2
-        print(f"running {family} benchmarks{' (quick)' if args.quick else ''}...", file=sys.stderr)
-        rows += module.run(quick=args.quick)
-    print(format_table(rows))
+    rows = []
+    with busy_processes(args.contention) as load:
+        for family, module in zip(families, modules):
+            print(f"running {family} benchmarks{' (quick)' if args.quick else ''}...", file=sys.stderr)
+            rows += module.run(quick=args.quick)
+    print(format_table(rows, load))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
-            handle.write(rows_to_json(rows))
+            handle.write(rows_to_json(rows, load))
             handle.write("\n")
     if args.plot:
         _plot_bench(rows, args.plot)
@@ -207,6 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="small shapes, few repeats")
     bench.add_argument("--only", metavar="LIST", help=f"comma-separated subset of {','.join(BENCH_FAMILIES)}")
     bench.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    bench.add_argument("--contention", type=int, default=0, metavar="N",
+                       help="run with N busy processes competing for the CPUs, stopped at the end (default 0); "
+                            "the table states the load")
     bench.add_argument("--plot", metavar="FILE.png", help="bar chart of GB/s per row (.png, .svg or .pdf; "
                                                            "needs matplotlib)")
     bench.set_defaults(handler=_bench)

@@ -1,11 +1,11 @@
-"""Paged store/load throughput against a same-run torch copy of the same bytes."""
+"""Paged store/load throughput against a same-run torch copy of the same bytes and the op on one thread."""
 
 from __future__ import annotations
 
 import torch
 
 from ..cache.layout import SENTINEL, PagedKVCacheCollection
-from .common import DTYPE_NAMES, BenchRow, copy_peer, time_call
+from .common import DTYPE_NAMES, BenchRow, copy_peer, one_thread, time_call
 
 
 def _collection(batch: int, tokens: int, cached: int, dtype: torch.dtype, *, page_size=128, heads=2,
@@ -33,15 +33,23 @@ def run(quick: bool = False) -> list[BenchRow]:
             offsets = torch.arange(0, batch * tokens + 1, tokens, dtype=torch.int32)
             nbytes = values.numel() * values.element_size()
             shape = f"B={batch} new={tokens} cached={cached} 2x256 page=128"
-            ours = time_call(lambda: view.store(values, offsets), repeat=5)
+            def store():
+                view.store(values, offsets)
+
+            ours = time_call(store, repeat=5)
+            single = time_call(one_thread(store), repeat=5)
             peer = time_call(copy_peer(nbytes), repeat=5)
             rows.append(BenchRow("paged_store", shape, DTYPE_NAMES[dtype], "cpu", ours, nbytes,
-                                 {"copy": peer}))
+                                 {"1thread": single, "copy": peer}))
             positions = torch.arange(cached + tokens)
             view.store(values, offsets)
             load_bytes = batch * (cached + tokens) * 2 * 256 * values.element_size()
-            ours = time_call(lambda: [view.load(b, positions) for b in range(batch)], repeat=5)
+            def load():
+                return [view.load(b, positions) for b in range(batch)]
+
+            ours = time_call(load, repeat=5)
+            single = time_call(one_thread(load), repeat=5)
             peer = time_call(copy_peer(load_bytes), repeat=5)
             rows.append(BenchRow("paged_load", f"B={batch} tokens={cached + tokens} 2x256 page=128",
-                                 DTYPE_NAMES[dtype], "cpu", ours, load_bytes, {"copy": peer}))
+                                 DTYPE_NAMES[dtype], "cpu", ours, load_bytes, {"1thread": single, "copy": peer}))
     return rows

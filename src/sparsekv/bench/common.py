@@ -2,7 +2,14 @@
 
 A row reports our time, the bytes the op must move at least, the achieved
 GB/s, and the time of each peer measured in the same run; ``ratio`` columns
-are ``peer_time / our_time`` (above 1 means we are faster).
+are ``peer_time / our_time`` (above 1 means we are faster). The ``1thread``
+peer is our own op on one thread (:func:`one_thread`): its column above 1
+means the threads help.
+
+A run can be made under load: :func:`busy_processes` starts ``N`` processes
+that spin on a core for the run and stops them (by their own ids) when it
+ends, and its :class:`LoadReport` (``N`` and the 1-minute load average before
+and after) goes under the table and into the JSON rows.
 """
 
 from __future__ import annotations
@@ -11,17 +18,23 @@ import contextlib
 import json
 import os
 import statistics
+import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 
 import torch
 
 from ..cache.layout import SENTINEL
 from ..cache.memory import allocate_pages
+from ..kernels.cpu._parallel import numba_threads
 
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 PAGE_SIZE = 128  # tokens per page of the benchmarks' caches
+
+BUSY_LOOP = "while True: pass"
+"""The program each competing process runs: one core's worth of pure computation."""
 
 
 @dataclass
@@ -122,6 +135,68 @@ def time_interleaved(calls: dict[str, Callable[[], object]], *, rounds: int = 9,
     return {name: statistics.median(times) for name, times in samples.items()}
 
 
+def one_thread(fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` with numba and torch on one thread: the same-run single-thread peer (``1thread``)."""
+
+    def run() -> object:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            with numba_threads(1):
+                return fn()
+        finally:
+            torch.set_num_threads(threads)
+
+    return run
+
+
+@dataclass
+class LoadReport:
+    """The load a benchmark ran under: ``busy`` competing processes it started, their ids, and the
+    1-minute load average when they started and just before they were stopped (``None`` while running)."""
+
+    busy: int
+    load_before: float
+    load_after: float | None = None
+    pids: list[int] = field(default_factory=list)
+
+    def describe(self) -> str:
+        after = f"{self.load_after:.2f}" if self.load_after is not None else "?"
+        return (f"load: {self.busy} busy process{'es' if self.busy != 1 else ''} ({BUSY_LOOP!r}) for the run; "
+                f"1-minute load average {self.load_before:.2f} before, {after} after, on {os.cpu_count()} CPUs")
+
+    def to_dict(self) -> dict:
+        return {"busy_processes": self.busy, "load_before": self.load_before, "load_after": self.load_after}
+
+
+@contextlib.contextmanager
+def busy_processes(count: int, *, settle_s: float = 0.3) -> Iterator[LoadReport]:
+    """Run the block with ``count`` processes spinning on the CPUs (``python -c BUSY_LOOP``).
+
+    They start ``settle_s`` seconds before the block and are killed and
+    reaped by their own ids when it ends, also on an error or ``KeyboardInterrupt``.
+    Yields the :class:`LoadReport` (its ``load_after`` is filled in when the block ends).
+    """
+    if count < 0:
+        raise ValueError(f"busy_processes: count must be >= 0, got {count}")
+    report = LoadReport(count, os.getloadavg()[0])
+    processes: list[subprocess.Popen] = []
+    try:
+        for _ in range(count):
+            processes.append(subprocess.Popen([sys.executable, "-c", BUSY_LOOP], stdin=subprocess.DEVNULL,
+                                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            report.pids.append(processes[-1].pid)
+        if processes:
+            time.sleep(settle_s)
+        yield report
+    finally:
+        report.load_after = os.getloadavg()[0]
+        for process in processes:
+            process.kill()
+        for process in processes:
+            process.wait()
+
+
 def copy_peer(nbytes: int, device: torch.device | str = "cpu") -> Callable[[], object]:
     """A same-run peer: ``dst.copy_(src)`` of ``nbytes`` bytes (reads and writes them once).
 
@@ -134,8 +209,9 @@ def copy_peer(nbytes: int, device: torch.device | str = "cpu") -> Callable[[], o
     return lambda: dst.copy_(src)
 
 
-def format_table(rows: list[BenchRow]) -> str:
-    """A fixed-width table: op, shape, dtype, backend, time, GB/s, then one ratio per peer."""
+def format_table(rows: list[BenchRow], load: LoadReport | None = None) -> str:
+    """A fixed-width table: op, shape, dtype, backend, time, GB/s, then one ratio per peer; the load it ran
+    under, when given, on the last line."""
     peers: list[str] = []
     for r in rows:
         peers += [p for p in r.peers_ms if p not in peers]
@@ -149,12 +225,18 @@ def format_table(rows: list[BenchRow]) -> str:
     widths = [max(len(str(x)) for x in col) for col in zip(header, *body)] if body else [len(h) for h in header]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(line, widths)) for line in [header, *body]]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    legend = "x<peer> = peer time / our time (above 1: faster than the peer)"
-    return "\n".join(lines + [legend])
+    legend = ["x<peer> = peer time / our time (above 1: faster than the peer)"]
+    if "1thread" in peers:
+        legend.append("x1thread = our op on one thread / our op (above 1: the threads help)")
+    if load is not None:
+        legend.append(load.describe())
+    return "\n".join(lines + legend)
 
 
-def rows_to_json(rows: list[BenchRow]) -> str:
-    return json.dumps([r.to_dict() for r in rows], indent=2)
+def rows_to_json(rows: list[BenchRow], load: LoadReport | None = None) -> str:
+    """The rows as a JSON list; each row carries the ``load`` it ran under when given."""
+    extra = {"load": load.to_dict()} if load is not None else {}
+    return json.dumps([{**r.to_dict(), **extra} for r in rows], indent=2)
 
 
 @contextlib.contextmanager

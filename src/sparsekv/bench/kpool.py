@@ -2,7 +2,7 @@
 
 Shapes: ``D = 128``, ``kpool = 4``, 32 index heads, ``topk = 2048``; ``B = 4``
 requests of 8192 and 32768 tokens; bf16 and fp32. Peers measured in the same
-run: the reference kernel (``xreference``: how many times faster the fast path
+run: our op on one thread (``x1thread``: above 1 when the threads help), the reference kernel (``xreference``: how many times faster the fast path
 is), a torch copy of the same bytes (``xcopy``: our GB/s over the copy's) and,
 for score, the same multiply-adds at the register tile's peak (``xpeak``: the
 fraction of the peak reached, :mod:`.peak`).
@@ -22,7 +22,7 @@ import torch
 from ..cache.pooled import make_pooled_collection
 from ..kernels.reference import kpool as reference
 from ..ops.kpool import kpool_pool_row_offsets, mla_kpool_compress, mla_kpool_score
-from .common import DTYPE_NAMES, BenchRow, copy_peer, time_interleaved
+from .common import DTYPE_NAMES, BenchRow, copy_peer, one_thread, time_interleaved
 from .peak import tile_peak_peer
 
 HEAD_DIM, KPOOL, INDEX_HEADS, TOPK, PAGE_SIZE = 128, 4, 32, 2048, 64
@@ -51,8 +51,12 @@ def _compress_row(batch: int, tokens: int, dtype: torch.dtype, rounds: int) -> B
     out = torch.empty(int(pool_offsets[-1]), HEAD_DIM, dtype=dtype)
     ref_out = torch.empty_like(out)
     nbytes = 2 * k.numel() * k.element_size() + out.numel() * out.element_size()
+    def ours():
+        mla_kpool_compress(k, gate, ape, offsets, pool_offsets, cache, kpool=KPOOL, out=out)
+
     times = time_interleaved({
-        "ours": lambda: mla_kpool_compress(k, gate, ape, offsets, pool_offsets, cache, kpool=KPOOL, out=out),
+        "ours": ours,
+        "1thread": one_thread(ours),
         "reference": lambda: reference.mla_kpool_compress(ref_out, k, gate, ape, offsets, pool_offsets, cache, KPOOL,
                                                           "softmax"),
         "copy": copy_peer(nbytes)}, rounds=rounds)
@@ -79,8 +83,12 @@ def _score_row(batch: int, tokens: int, dtype: torch.dtype, rounds: int) -> Benc
     ref_out = torch.empty_like(out)
     elt = blocks.element_size()
     nbytes = batch * pools * HEAD_DIM * elt + q.numel() * elt + weights.numel() * 4 + out.numel() * 4
+    def ours():
+        mla_kpool_score(q, weights, cache, 0, positions, offsets, kpool=KPOOL, out=out)
+
     times = time_interleaved({
-        "ours": lambda: mla_kpool_score(q, weights, cache, 0, positions, offsets, kpool=KPOOL, out=out),
+        "ours": ours,
+        "1thread": one_thread(ours),
         "reference": lambda: reference.mla_kpool_score(ref_out, q, weights, blocks, cache.lookup_table, positions,
                                                        offsets, KPOOL, 0),
         "copy": copy_peer(nbytes),

@@ -6,12 +6,17 @@ partial block), as ``benchmarks/max_peer.py`` builds them. Main attention:
 24 query heads, 2 KV heads, head dim 256, budget 2048 tokens.
 
 Every row times the public op (``SPARSEKV_BACKEND=auto``: the CPU path) and,
-in the same run, its peers: the reference backend (``reference``), a torch
-copy of the same number of bytes (``copy``), dense SDPA over the whole history
-for sparse attention (``sdpa``), for block score and sparse attention the same
-multiply-adds at the register tile's peak (``peak``, :mod:`.peak`; its column
-is the fraction of the peak reached) and, when a Python with Modular MAX is
-given, MAX's own CPU kernel (``max``, via ``benchmarks/max_peer.py``).
+in the same run, its peers: the same op on one thread (``1thread``), the
+reference backend (``reference``), a torch copy of the same number of bytes
+(``copy``), for sparse attention dense SDPA over the whole history in the
+faster of its two layouts, both timed in the same rounds (``sdpa(rows)``:
+each KV head's query heads as the rows of one attention; ``sdpa(gqa)``:
+``enable_gqa=True``, one row per query head, 7-20x slower on torch's CPU
+path; the row's note gives both times), for block score and sparse attention
+the same multiply-adds at the register tile's peak (``peak``, :mod:`.peak`;
+its column is the fraction of the peak reached) and, when a Python with
+Modular MAX is given, MAX's own CPU kernel (``max``, via
+``benchmarks/max_peer.py``).
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ import torch.nn.functional as F
 from ..cache.layout import PagedKVCacheCollection
 from ..numerics import rope_freqs_cis
 from ..ops.qsa import qsa_block_score, qsa_compress_keys_paged, qsa_select_tokens, qsa_sparse_attention_paged
-from .common import DTYPE_NAMES, PAGE_SIZE, BenchRow, backend, copy_peer, random_paged_blocks, time_interleaved
+from .common import (DTYPE_NAMES, PAGE_SIZE, BenchRow, backend, copy_peer, one_thread, random_paged_blocks,
+                     time_interleaved)
 from .peak import tile_peak_peer
 
 HEAD_DIM, RATIO, ROTARY_DIM, THETA, EPS = 128, 4, 64, 1e7, 1e-6
@@ -39,13 +45,13 @@ MAX_PEER_SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "max_peer
 
 def _time_with_peers(call, **peers) -> tuple[float, dict[str, float]]:
     """Our time and each peer's, interleaved (:func:`.common.time_interleaved`); the ``reference`` peer
-    is ``call`` itself under ``SPARSEKV_BACKEND=reference``."""
+    is ``call`` itself under ``SPARSEKV_BACKEND=reference``, the ``1thread`` peer ``call`` on one thread."""
 
     def reference():
         with backend("reference"):
             call()
 
-    times = time_interleaved({"ours": call, "reference": reference, **peers})
+    times = time_interleaved({"ours": call, "1thread": one_thread(call), "reference": reference, **peers})
     return times.pop("ours"), times
 
 
@@ -163,24 +169,31 @@ def bench_sparse_attention(batch: int, cached: int, dtype: torch.dtype) -> Bench
     def call():
         qsa_sparse_attention_paged(q, cache, 0, indices, counts, offsets, scale=scale)
 
-    # the dense peer: SDPA over every cached token, K/V already contiguous (its best case)
+    # the dense peer: SDPA over every cached token, K/V already contiguous (its best case), in both layouts
     pages = table[:, : -(-total // PAGE_SIZE)].long()
     dense_k = blocks[pages, 0, 0].reshape(batch, -1, KV_HEADS, MAIN_HEAD_DIM)[:, :total].transpose(1, 2).contiguous()
     dense_v = blocks[pages, 1, 0].reshape(batch, -1, KV_HEADS, MAIN_HEAD_DIM)[:, :total].transpose(1, 2).contiguous()
-    q_dense = q[:, :, None, :]
-
-    def dense():
-        F.scaled_dot_product_attention(q_dense, dense_k, dense_v, scale=scale, enable_gqa=True)
+    dense_peers = {
+        # each KV head's query heads as the rows of one attention: [B, KV, Q/KV, D]
+        "sdpa(rows)": lambda: F.scaled_dot_product_attention(
+            q.reshape(batch, KV_HEADS, Q_HEADS // KV_HEADS, MAIN_HEAD_DIM), dense_k, dense_v, scale=scale),
+        # one row per query head, KV heads shared by torch: [B, Q, 1, D]
+        "sdpa(gqa)": lambda: F.scaled_dot_product_attention(q[:, :, None, :], dense_k, dense_v, scale=scale,
+                                                            enable_gqa=True),
+    }
 
     size = blocks.element_size()
     nbytes = int(counts.sum()) * KV_HEADS * MAIN_HEAD_DIM * 2 * size + 2 * q.numel() * size
     products = int(counts.sum()) * Q_HEADS * MAIN_HEAD_DIM  # for Q.K, and as many for P.V (float32)
     peak = tile_peak_peer({dtype: products, torch.float32: products} if dtype == torch.bfloat16
                           else {torch.float32: 2 * products})
-    ours, peers = _time_with_peers(call, sdpa=dense, copy=copy_peer(nbytes), peak=peak)
+    ours, peers = _time_with_peers(call, **dense_peers, copy=copy_peer(nbytes), peak=peak)
+    slower = max(dense_peers, key=peers.__getitem__)  # compare against the dense peer's faster layout only
+    note = f"dense peer layouts: {', '.join(f'{name} {peers[name]:.3f} ms' for name in dense_peers)}"
+    del peers[slower]
     return BenchRow("qsa_sparse_attention_paged",
                     f"decode B={batch} cached={cached} budget={BUDGET} q24/kv2 D=256", DTYPE_NAMES[dtype], "cpu",
-                    ours, nbytes, peers)
+                    ours, nbytes, peers, note)
 
 
 def run(quick: bool = False, max_python: str | None = None, threads: int | None = None) -> list[BenchRow]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 #: Length in bytes of every page hash.
 PAGE_HASH_BYTES = 32
@@ -74,12 +74,37 @@ def page_hash_encoded(parent_hash: bytes | None, page_token_bytes: bytes | memor
 
     The manager encodes a request's tokens and namespace once and calls this per page.
     """
-    if parent_hash is None:
-        parent_hash = _NO_PARENT
-    elif type(parent_hash) is not bytes or len(parent_hash) != PAGE_HASH_BYTES:
-        raise ValueError(f"parent_hash: expected None or {PAGE_HASH_BYTES} bytes, got {parent_hash!r:.80}")
     count = (len(page_token_bytes) // 8).to_bytes(8, "little")
-    return hashlib.sha256(b"".join((_DOMAIN, parent_hash, namespace_bytes, count, page_token_bytes))).digest()
+    return hashlib.sha256(b"".join((_DOMAIN, _parent_bytes(parent_hash), namespace_bytes, count,
+                                    page_token_bytes))).digest()
+
+
+def _parent_bytes(parent_hash: bytes | None) -> bytes:
+    """The parent's 32 bytes in the encoding (zeros for ``None``); ``ValueError`` for anything else."""
+    if parent_hash is None:
+        return _NO_PARENT
+    if type(parent_hash) is not bytes or len(parent_hash) != PAGE_HASH_BYTES:
+        raise ValueError(f"parent_hash: expected None or {PAGE_HASH_BYTES} bytes, got {parent_hash!r:.80}")
+    return parent_hash
+
+
+def chained_page_hashes(parent_hash: bytes | None, token_data: bytes | memoryview, page_size: int,
+                        namespace_bytes: bytes) -> Iterator[bytes]:
+    """The chained hash of each full page of ``token_data`` (:func:`token_bytes` of whole pages), in order.
+
+    The first page's parent is ``parent_hash``; each next page's is the hash
+    just yielded. Equal to :func:`page_hash_encoded` page by page, with the
+    constant parts of the encoding joined once; lazy, so a caller looking
+    pages up can stop at its first miss.
+    """
+    parent = _parent_bytes(parent_hash)
+    stride = 8 * page_size
+    middle = namespace_bytes + page_size.to_bytes(8, "little")
+    data = memoryview(token_data)
+    sha256, join = hashlib.sha256, b"".join
+    for start in range(0, len(data) - stride + 1, stride):
+        parent = sha256(join((_DOMAIN, parent, middle, data[start:start + stride]))).digest()
+        yield parent
 
 
 def page_hash(parent_hash: bytes | None, token_ids: Sequence[int], namespace: Namespace = None) -> bytes:
@@ -108,12 +133,5 @@ def prefix_page_hashes(
     full_pages = len(token_ids) // page_size
     if max_pages is not None:
         full_pages = min(full_pages, max_pages)
-    namespace_bytes = encode_namespace(namespace)
-    data = memoryview(token_bytes(token_ids[:full_pages * page_size]))
-    stride = 8 * page_size
-    hashes: list[bytes] = []
-    parent = None
-    for i in range(full_pages):
-        parent = page_hash_encoded(parent, data[i * stride:(i + 1) * stride], namespace_bytes)
-        hashes.append(parent)
-    return hashes
+    data = token_bytes(token_ids[:full_pages * page_size])
+    return list(chained_page_hashes(None, data, page_size, encode_namespace(namespace)))

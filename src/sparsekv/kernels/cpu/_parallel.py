@@ -6,6 +6,40 @@ workers then fight torch's own threads for the cores. Small calls therefore
 run their ``prange`` loops on the calling thread. Results never depend on the
 thread count: every output element is computed by one task, in a fixed order.
 
+On a shared machine a parallel region is only as fast as its slowest worker:
+when another process holds a core, the region waits for a descheduled worker
+for up to a scheduler slice. :data:`CONTENTION` watches every parallel
+region (wall time against the CPU time the process spent in it) and, when the
+threads did not run in parallel, runs every kernel on one thread for a while,
+then tries the threads again (:class:`ContentionPolicy`). Measured on 2 cores
+(QSA compress, fp32, 4 x 8192 keys, 40 calls each, the machine already busy
+with other work, load average 5-8):
+
+============================  =====================  =====================
+condition                     2 threads, median ms   1 thread, median ms
+============================  =====================  =====================
+busy machine                  9.2-36.0               1.7-5.8
+same plus one busy process    49.9-53.1              2.0-2.2
+============================  =====================  =====================
+
+The 2-thread regions' process CPU time over wall time was 0.40-0.66 under
+load (a worker sat descheduled while the others waited at the barrier),
+where two threads that both run give close to 2 whatever the kernel, so the
+ratio tells contention apart from slow work without knowing how long the
+kernel should take. Smaller dynamic chunks do not help:
+a descheduled worker holds the chunk it is in, and the barrier waits for it
+whatever the chunk size. The check costs two process-clock reads (about
+1 us each) per parallel call.
+
+torch's own intra-op threads (an OpenMP pool too) wait the same way: with
+one busy process, an elementwise op on a 512 x 24 x 256 float32 tensor took
+16-24 ms on torch's 2 threads against 1.6-1.7 ms on one, and the demo's
+serving time was 74 s with numba alone falling back against 16 s with every
+pool on one thread (11.6 s with this policy; one busy process, load average
+4-8). So the policy sets torch's
+threads to one as well while it sees contention, and gives them back when a
+parallel region runs well.
+
 Example: ``with threads_for(rows * cols * dim): kernel(...)`` runs ``kernel``
 on one thread for a decode-sized call and on all of numba's threads for a
 large one; ``with numba_threads(num_pools // 1024): kernel(...)`` gives it one
@@ -14,11 +48,11 @@ thread per 1024 pools.
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator
+import time
 
 import numba
+import torch
 
 # NOTE: numba's OpenMP threading layer is the fastest here (the sparse
 # attention kernel ran 1.7x slower under TBB or workqueue), but by default its
@@ -57,24 +91,123 @@ PARALLEL_MIN_WORK = 1 << 22
 _ALL_THREADS = 1 << 30  # "every thread": numba_threads clamps it to the threads there are
 
 
-@contextlib.contextmanager
-def numba_threads(count: int) -> Iterator[None]:
-    """Run numba's parallel loops inside the block on ``count`` threads, clamped to 1 .. numba's current count."""
-    available = numba.get_num_threads()
-    count = max(1, min(available, count))
-    if count == available:
-        yield
-        return
-    numba.set_num_threads(count)
-    try:
-        yield
-    finally:
-        numba.set_num_threads(available)
+class ContentionPolicy:
+    """Whether a parallel region may use more than one thread, from how the last ones went.
+
+    After each judged region on ``threads > 1`` threads, :meth:`record` gets
+    its wall time and the process CPU time spent in it (seconds). Their
+    ratio, the threads that actually ran, below ``1 + (threads - 1) *
+    min_share`` means the cores were taken by someone else: the following
+    regions then run on one thread until both ``first_backoff * 2**level``
+    seconds and ``first_calls * 2**level`` declined calls have passed, and
+    the next region tries the threads again. A contended try raises
+    ``level`` (up to ``max_level``), one that ran in parallel lowers it, so
+    a machine that stays busy is probed rarely (a failed try costs up to a
+    scheduler slice) and a quiet one gets its threads back within
+    ``first_backoff * 2**max_level`` seconds. Counting calls as well as
+    seconds keeps rare calls (seconds apart) from being a try each. Regions
+    shorter than ``min_wall`` are not judged (kernel dispatch is serial and
+    weighs on them), but they follow the decision.
+
+    With ``torch_threads``, torch's intra-op threads follow the same
+    decision: set to one when a region is judged contended, given back (when
+    nobody changed them meanwhile) when one runs in parallel again. torch's
+    OpenMP pool waits for a descheduled worker just as numba's does.
+
+    Example: ``policy.record(2, wall=0.050, cpu=0.022, now=t)`` (a 2-thread
+    region that ran 0.44 threads' worth) makes ``policy.allow_parallel(now)``
+    false for the next ``first_calls`` calls and until ``t + first_backoff``.
+    """
+
+    def __init__(self, *, min_share: float = 0.3, min_wall: float = 2e-4, first_backoff: float = 0.1,
+                 first_calls: int = 2, max_level: int = 5, torch_threads: bool = False) -> None:
+        self.min_share = min_share
+        self.min_wall = min_wall
+        self.first_backoff = first_backoff
+        self.first_calls = first_calls
+        self.max_level = max_level
+        self.torch_threads = torch_threads
+        self.saved_torch_threads: int | None = None
+        self.level = 0
+        self.serial_until = float("-inf")
+        self.serial_calls = 0
+        self.contended_regions = 0
+
+    def allow_parallel(self, now: float) -> bool:
+        """Whether a region starting at ``now`` (``time.perf_counter()`` seconds) may use several threads;
+        a call declined counts towards the next try."""
+        if now >= self.serial_until and self.serial_calls <= 0:
+            return True
+        self.serial_calls -= 1
+        return False
+
+    def record(self, threads: int, wall: float, cpu: float, now: float) -> None:
+        """Judge a region that ran on ``threads`` threads for ``wall`` seconds using ``cpu`` seconds of the
+        process's CPU time and ended at ``now``."""
+        if threads < 2 or wall < self.min_wall:
+            return
+        if cpu < wall * (1.0 + (threads - 1) * self.min_share):
+            self.contended_regions += 1
+            self.serial_until = now + self.first_backoff * 2**self.level
+            self.serial_calls = self.first_calls * 2**self.level
+            self.level = min(self.level + 1, self.max_level)
+            if self.torch_threads and self.saved_torch_threads is None and torch.get_num_threads() > 1:
+                self.saved_torch_threads = torch.get_num_threads()
+                torch.set_num_threads(1)
+        else:
+            self.level = max(self.level - 1, 0)
+            self._give_back_torch_threads()
+
+    def reset(self) -> None:
+        """Forget what was seen: the next region may use every thread (and torch its threads)."""
+        self.level = self.serial_calls = 0
+        self.serial_until = float("-inf")
+        self._give_back_torch_threads()
+
+    def _give_back_torch_threads(self) -> None:
+        if self.saved_torch_threads is not None:
+            if torch.get_num_threads() == 1:  # else someone set them meanwhile: theirs stands
+                torch.set_num_threads(self.saved_torch_threads)
+            self.saved_torch_threads = None
 
 
-def threads_for(work: int) -> contextlib.AbstractContextManager[None]:
-    """All of numba's threads for ``work`` (multiply-adds or elements) of at least ``PARALLEL_MIN_WORK``, else one.
+CONTENTION = ContentionPolicy(torch_threads=True)
+"""The process-wide policy every :func:`numba_threads` block follows, torch's threads included:
+contention is a property of the machine, so what one kernel sees applies to all."""
 
-    (``numba_threads`` clamps the count to the threads there are; each ``numba.get_num_threads()`` costs
-    ~3 us, so it is asked once per call.)"""
+
+class numba_threads:  # noqa: N801 - used like a function: ``with numba_threads(n):``
+    """Run numba's parallel loops inside the block on ``count`` threads, clamped to 1 .. numba's current count.
+
+    Asking for more than one thread is a request: while :data:`CONTENTION` sees the cores taken by other
+    work, the block runs on one thread, and a block that does run on several is timed and judged.
+    (Each ``numba.get_num_threads()`` costs ~3 us, so it is asked once per block.)"""
+
+    __slots__ = ("requested", "threads", "available", "cpu_start", "wall_start")
+
+    def __init__(self, count: int) -> None:
+        self.requested = count
+
+    def __enter__(self) -> None:
+        self.available = available = numba.get_num_threads()
+        count = max(1, min(available, self.requested))
+        if count > 1 and not CONTENTION.allow_parallel(time.perf_counter()):
+            count = 1
+        self.threads = count
+        if count != available:
+            numba.set_num_threads(count)
+        if count > 1:
+            self.cpu_start = time.process_time()
+            self.wall_start = time.perf_counter()
+
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        if self.threads > 1 and exc_type is None:
+            now = time.perf_counter()
+            CONTENTION.record(self.threads, now - self.wall_start, time.process_time() - self.cpu_start, now)
+        if self.threads != self.available:
+            numba.set_num_threads(self.available)
+
+
+def threads_for(work: int) -> numba_threads:
+    """All of numba's threads for ``work`` (multiply-adds or elements) of at least ``PARALLEL_MIN_WORK``, else one."""
     return numba_threads(_ALL_THREADS if work >= PARALLEL_MIN_WORK else 1)

@@ -1,0 +1,132 @@
+"""The CPU kernels' contention policy (fake timings, not speed) and the benchmarks under load: busy
+processes, single-thread and fastest-layout dense peers."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numba
+import pytest
+
+from sparsekv.kernels.cpu import _parallel
+from sparsekv.kernels.cpu._parallel import ContentionPolicy, numba_threads, threads_for
+
+
+def test_parallel_region_that_ran_in_parallel_keeps_threads():
+    policy = ContentionPolicy()
+    policy.record(2, wall=0.010, cpu=0.019, now=1.0)
+    assert policy.allow_parallel(1.0)
+    assert policy.contended_regions == 0
+
+
+def test_contended_region_falls_back_then_probes_with_growing_backoff():
+    policy = ContentionPolicy(first_backoff=0.1, first_calls=2, max_level=2)
+    policy.record(2, wall=0.050, cpu=0.022, now=1.0)  # 0.44 threads' worth of CPU: a worker sat descheduled
+    assert [policy.allow_parallel(1.05) for _ in range(3)] == [False] * 3  # too early, however many calls
+    assert policy.allow_parallel(1.1)  # the try: 0.1 s passed and 2 calls declined
+    policy.record(2, wall=0.040, cpu=0.030, now=1.2)  # still contended: 0.2 s and 4 calls
+    assert not policy.allow_parallel(1.4) and not policy.allow_parallel(1.5)  # late enough, 2 calls of 4
+    assert [policy.allow_parallel(2.0) for _ in range(3)] == [False] * 2 + [True]
+    policy.record(2, wall=0.040, cpu=0.030, now=2.0)
+    policy.record(2, wall=0.040, cpu=0.030, now=3.0)  # capped at max_level: 0.4 s and 8 calls
+    assert policy.level == 2
+    assert not any(policy.allow_parallel(3.39) for _ in range(20))
+    assert policy.allow_parallel(3.4)
+    policy.record(2, wall=0.010, cpu=0.019, now=4.0)  # a try that ran in parallel lowers the level
+    assert policy.level == 1 and policy.allow_parallel(4.0)
+    assert policy.contended_regions == 4
+
+
+@pytest.mark.parametrize(("threads", "wall", "cpu", "contended"), [
+    (1, 0.050, 0.001, False),   # one thread: nothing to judge
+    (2, 0.0001, 0.0001, False),  # too short to judge (serial dispatch weighs on it)
+    (2, 0.010, 0.0129, True),   # just below 1.3 threads' worth
+    (2, 0.010, 0.0131, False),
+    (4, 0.010, 0.0189, True),   # 4 threads must show 1.9 threads' worth
+    (4, 0.010, 0.0191, False),
+])
+def test_contention_threshold(threads, wall, cpu, contended):
+    policy = ContentionPolicy()
+    policy.record(threads, wall=wall, cpu=cpu, now=0.0)
+    assert policy.allow_parallel(0.0) is not contended
+
+
+def test_numba_threads_follows_the_policy(monkeypatch):
+    policy = ContentionPolicy()
+    monkeypatch.setattr(_parallel, "CONTENTION", policy)
+    available = numba.get_num_threads()
+    with threads_for(_parallel.PARALLEL_MIN_WORK):
+        assert numba.get_num_threads() == available
+    with threads_for(0), numba_threads(0):
+        assert numba.get_num_threads() == 1
+    policy.serial_until = float("inf")
+    with numba_threads(available):
+        assert numba.get_num_threads() == 1
+    assert numba.get_num_threads() == available
+    policy.reset()
+    assert policy.allow_parallel(0.0)
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` is a live (not zombie) process."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_busy_processes_run_for_the_block_and_are_stopped_after(fail):
+    from sparsekv.bench.common import busy_processes, format_table
+
+    with pytest.raises(KeyboardInterrupt) if fail else contextlib.nullcontext():
+        with busy_processes(2, settle_s=0.0) as load:
+            pids = list(load.pids)
+            assert len(pids) == 2 and all(_alive(pid) for pid in pids)
+            if fail:
+                raise KeyboardInterrupt
+    assert not any(_alive(pid) for pid in pids)
+    assert load.load_after is not None
+    assert "load: 2 busy processes" in format_table([], load)
+
+
+def test_busy_processes_rejects_a_negative_count():
+    from sparsekv.bench.common import busy_processes
+
+    with pytest.raises(ValueError, match="count must be >= 0, got -1"), busy_processes(-1):
+        pass
+
+
+def test_sparse_attention_bench_compares_against_the_faster_dense_layout():
+    import torch
+
+    from sparsekv.bench.qsa import bench_sparse_attention
+
+    row = bench_sparse_attention(1, 512, torch.bfloat16)
+    dense = [name for name in row.peers_ms if name.startswith("sdpa")]
+    assert len(dense) == 1 and "1thread" in row.peers_ms
+    times = dict(part.rsplit(" ", 2)[:2] for part in row.note.split(": ", 1)[1].split(", "))
+    assert set(times) == {"sdpa(rows)", "sdpa(gqa)"}
+    assert row.peers_ms[dense[0]] == pytest.approx(min(float(t) for t in times.values()), abs=1e-3)
+
+
+def test_torch_threads_follow_the_policy_and_are_given_back():
+    import torch
+
+    before, threads = torch.get_num_threads(), 2
+    torch.set_num_threads(threads)
+    policy = ContentionPolicy(torch_threads=True)
+    try:
+        policy.record(2, wall=0.050, cpu=0.022, now=0.0)
+        assert torch.get_num_threads() == 1 and policy.saved_torch_threads == threads
+        policy.record(2, wall=0.050, cpu=0.022, now=1.0)  # still contended: nothing more to save
+        assert policy.saved_torch_threads == threads
+        policy.record(2, wall=0.010, cpu=0.019, now=2.0)
+        assert torch.get_num_threads() == threads and policy.saved_torch_threads is None
+        policy.record(2, wall=0.050, cpu=0.022, now=3.0)
+        torch.set_num_threads(threads)  # the user's own setting meanwhile stands
+        policy.reset()
+        assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(before)
