@@ -74,3 +74,26 @@ def exp_f32(x: np.float32) -> np.float32:
     scale = _bits_to_f32((np.int32(n) + 127) << 23)  # 2**n, n >= -126: a normal float32
     y = p * scale
     return np.float32(0.0) if x < _EXP_FLOOR else y
+
+
+@numba.njit(inline="always", cache=True, error_model="numpy")
+def scaled_softmax_in_place(logits, count, lanes, scale):
+    """Turn ``logits[:count, :lanes]`` (float32 dots, one column per head) into unnormalised softmax weights.
+
+    Each dot is first multiplied by ``scale`` (float32); then ``w = exp_f32(logit - max)`` per column, in
+    key order. Returns ``(row_max [lanes], denom [lanes])`` float32, ``denom`` the sum of the weights in key
+    order, so the log-sum-exp of a column is ``row_max + log(denom)``.
+    """
+    row_max = np.full(lanes, -np.inf, np.float32)
+    for n in range(count):
+        for h in range(lanes):
+            value = logits[n, h] * np.float32(scale)
+            logits[n, h] = value
+            row_max[h] = value if value > row_max[h] else row_max[h]
+    denom = np.zeros(lanes, np.float32)
+    for n in range(count):
+        for h in range(lanes):
+            weight = exp_f32(logits[n, h] - row_max[h])
+            logits[n, h] = weight
+            denom[h] += weight
+    return row_max, denom

@@ -10,7 +10,7 @@ every query head, wider rows and values that are the rows' first
   flat starts; bf16 as channel pairs on ``VDPBF16PS``, fp16 widened into
   scratch first), ``[rows x heads]`` logits over ``D = kv_lora_rank +
   qk_rope_head_dim`` channels;
-* softmax per head with the vectorised float32 :func:`._math.exp_f32`;
+* softmax per head with the vectorised float32 :func:`._math.exp_f32` (:func:`._math.scaled_softmax_in_place`);
 * P.V with :func:`._tile_ops.weighted_rows` (tiles of 12, 8 or 4 heads x 32
   channels, rows in order) over the rows' first ``v_head_dim`` channels,
   copied ``KEYS_PER_TASK`` rows at a time with a prefetch ahead; one division
@@ -39,7 +39,7 @@ import torch
 from numba import prange
 
 from ._bits import as_numba, narrow
-from ._math import exp_f32
+from ._math import scaled_softmax_in_place
 from ._pages import check_counted_entries
 from ._paged_rows import flat_plane, sequence_of_rows, token_starts
 from ._parallel import PARALLEL_JIT, threads_for
@@ -87,18 +87,7 @@ def _mla_attention_kernel(out, lse, q, cache, page_stride, base, page_size, tabl
         starts = np.empty(count + 2 * KEYS_PER_TILE, np.int64)
         token_starts(starts, indices[r, :count], table[b], page_size, page_stride, base, 1, 0, dim)
         dots_of_gathered_rows(logits, q_t, cache, starts, count, dim, lanes, new_scratch(cache, dim))
-        row_max = np.full(lanes, -np.inf, np.float32)
-        for n in range(count):
-            for h in range(lanes):
-                value = logits[n, h] * np.float32(scale)
-                logits[n, h] = value
-                row_max[h] = value if value > row_max[h] else row_max[h]
-        denom = np.zeros(lanes, np.float32)
-        for n in range(count):
-            for h in range(lanes):
-                weight = exp_f32(logits[n, h] - row_max[h])
-                logits[n, h] = weight
-                denom[h] += weight
+        row_max, denom = scaled_softmax_in_place(logits, count, lanes, scale)
         acc = np.zeros((lanes, padded_v), np.float32)
         values = new_value_scratch(cache, v_dim, padded_v)  # bf16 stays bits; padding channels 0
         for n0 in range(0, count, KEYS_PER_TASK):

@@ -67,7 +67,7 @@ from ._score_tasks import plan_score_tasks, relu_sums, score_task
 from ._tile_ir import KEYS_PER_TILE, SQUARE_SUM_ROWS, VECTOR, WEIGHTED_CHANNELS
 from ._tile_ops import (KEYS_PER_TASK, dots_of_gathered_rows, dots_of_rows, gather_rows, new_query_tiles, new_scratch,
                         new_value_scratch, put_query, square_sums_in_order, transpose_dots, weighted_rows)
-from ._math import exp_f32
+from ._math import scaled_softmax_in_place
 from ._pages import check_counted_entries, first_missing_page
 from ._paged_rows import flat_plane, sequence_of_rows, token_starts
 from ._parallel import PARALLEL_JIT, threads_for
@@ -283,18 +283,7 @@ def _sparse_attention_kernel(out, lse, q, cache, page_stride, key_base, value_ba
         starts = np.empty(count + 2 * KEYS_PER_TILE, np.int64)
         token_starts(starts, indices[r, :count], table[b], page_size, page_stride, key_base, kv_heads, kvh, dim)
         dots_of_gathered_rows(logits, q_t, cache, starts, count, dim, lanes, new_scratch(cache, dim))
-        row_max = np.full(lanes, -np.inf, np.float32)
-        for n in range(count):
-            for h in range(lanes):
-                value = logits[n, h] * np.float32(scale)
-                logits[n, h] = value
-                row_max[h] = value if value > row_max[h] else row_max[h]
-        denom = np.zeros(lanes, np.float32)
-        for n in range(count):
-            for h in range(lanes):
-                weight = exp_f32(logits[n, h] - row_max[h])
-                logits[n, h] = weight
-                denom[h] += weight
+        row_max, denom = scaled_softmax_in_place(logits, count, lanes, scale)
         acc = np.zeros((lanes, padded_dim), np.float32)
         values = new_value_scratch(cache, dim, padded_dim)  # bf16 stays bits; padding channels 0
         starts += value_base - key_base  # the same tokens in the value plane
