@@ -38,6 +38,15 @@ def run_kernel(fn, case):
     return out
 
 
+def term_rounding(case) -> float:
+    """The float32 rounding of a score's terms, ``1e-6 * max sum_d |q_d k_d| / scale``: a score that cancels
+    to near zero may differ by this much between two valid summation orders (tests/spec4.py)."""
+    if case["q"].numel() == 0 or case["block_keys"].numel() == 0:
+        return 0.0
+    terms = torch.einsum("thd,kd->thk", case["q"].float().abs(), case["block_keys"].float().abs())
+    return 1e-6 * float(terms.max()) / case["scale"]
+
+
 def naive_scores(case):
     q, keys, offsets = case["q"].double(), case["block_keys"].double(), case["offsets"].tolist()
     batch = len(offsets) - 1
@@ -57,7 +66,8 @@ def test_reference_matches_naive(dtype, seed):
     rng = random.Random(seed)
     for _ in range(10):
         case = random_case(rng, dtype, dim=rng.choice([8, 20]))
-        assert_spec_close(run_kernel(ref_qsa.qsa_block_score, case), naive_scores(case), what="reference")
+        assert_spec_close(run_kernel(ref_qsa.qsa_block_score, case), naive_scores(case), what="reference",
+                          atol=term_rounding(case))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
@@ -66,7 +76,8 @@ def test_cpu_matches_reference(dtype):
     for _ in range(15):
         case = random_case(rng, dtype)
         got = run_kernel(cpu_qsa.qsa_block_score, case)
-        assert_spec_close(got, run_kernel(ref_qsa.qsa_block_score, case), what="cpu vs reference")
+        assert_spec_close(got, run_kernel(ref_qsa.qsa_block_score, case), what="cpu vs reference",
+                          atol=term_rounding(case))
 
 
 def test_visibility_and_extra_columns():
