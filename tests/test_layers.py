@@ -11,11 +11,11 @@ import math
 import pytest
 import torch
 
-from sparsekv import mla_kpool_compress
+from sparsekv import mla_kpool_compress, rope_freqs_cis
 from sparsekv.cache.manager import CacheGroupSpec, PagedKVCacheManager
 from sparsekv.demo import seed_parameters
 from sparsekv.layers import (Glm5NextConfig, Glm5NextIndexerSlice, GlmMoeDsaConfig, KPoolIndexerLayer, MlaSlice,
-                             MlaSparseAttention, QSAAttention, Qwen4ExpConfig, mla_cache_groups)
+                             MlaSparseAttention, QSAAttention, Qwen4ExpConfig, RotaryTable, mla_cache_groups)
 
 QWEN = Qwen4ExpConfig(hidden_size=48, num_hidden_layers=1, qsa_layers=(0,), num_attention_heads=4,
                       num_key_value_heads=2, head_dim=16, partial_rotary_factor=0.5, rope_theta=1e4,
@@ -295,3 +295,12 @@ def test_weights_proj_dtype_follows_hf_loading():
     assert MlaSparseAttention(DSA, 0, dtype=torch.float16).indexer.weights_proj.weight.dtype == torch.float32
     assert MlaSparseAttention(DSA, 0, dtype=torch.bfloat16).indexer.weights_proj.weight.dtype == torch.bfloat16
     assert KPoolIndexerLayer(GLM, dtype=torch.float16).indexer.weights_proj.weight.dtype == torch.float16
+
+
+def test_rotary_table_grows_past_the_positions_asked_for():
+    """A prompt of exactly 2**n tokens must not make the next decode step rebuild the table."""
+    rotary = RotaryTable(8, theta=1e4)
+    first = rotary.table(2048)
+    assert first.shape[0] > 2048
+    assert rotary.table(2049) is first
+    assert torch.equal(first, rope_freqs_cis(first.shape[0], 8, 1e4))

@@ -27,16 +27,17 @@ from ..cache.groups import BatchInputs, CacheGroupSpec
 from ..layers.config import MlaConfig, Qwen4ExpConfig, load_config
 from ..layers.dsa import mla_cache_groups, rope_inv_freq
 from ..layers.mla import MlaSparseAttention
-from ..layers.qsa import QSAAttention
+from ..layers.qsa import QSAAttention, RotaryTable
 
 
-class HFRotaryTable:
+class HFRotaryTable(RotaryTable):
     """A ``freqs_cis`` table (SPEC 2.2) whose cos/sin come from the model's own rotary module.
 
     Row ``p`` holds the cos/sin the Hugging Face rotary module computes for
     position ``p`` (float32, including its ``attention_scaling``), interleaved
     ``[cos_0, sin_0, cos_1, sin_1, ...]``, so that RoPE applied through
-    sparsekv uses exactly the model's angles. Grown on demand by doubling.
+    sparsekv uses exactly the model's angles. Grown on demand by doubling
+    (:class:`sparsekv.layers.RotaryTable`).
 
     Args:
         rotary_module: the text model's ``rotary_emb``; called as
@@ -46,27 +47,19 @@ class HFRotaryTable:
     """
 
     def __init__(self, rotary_module: nn.Module, rotary_dim: int, device: torch.device) -> None:
+        super().__init__(rotary_dim, theta=float("nan"), device=device)
         self.rotary_module = rotary_module
-        self.rotary_dim = rotary_dim
-        self.device = device
-        self._table = torch.empty(0, rotary_dim, dtype=torch.float32, device=device)
 
-    def table(self, num_positions: int) -> torch.Tensor:
-        """``[>= num_positions, rotary_dim]`` float32 rows."""
-        if self._table.shape[0] < num_positions:
-            size = max(1024, self._table.shape[0])
-            while size < num_positions:
-                size *= 2
-            positions = torch.arange(size, device=self.device)[None, :]
-            probe = torch.empty(0, dtype=torch.float32, device=self.device)
-            with torch.no_grad():
-                cos, sin = self.rotary_module(probe, positions)
-            half = self.rotary_dim // 2
-            if cos.shape[-1] != self.rotary_dim:
-                raise ValueError(f"rotary module: expected {self.rotary_dim} rotary channels, got {cos.shape[-1]}")
-            pairs = torch.stack([cos[0, :, :half].float(), sin[0, :, :half].float()], dim=-1)
-            self._table = pairs.reshape(size, self.rotary_dim).contiguous()
-        return self._table
+    def rows(self, num_positions: int) -> torch.Tensor:
+        positions = torch.arange(num_positions, device=self.device)[None, :]
+        probe = torch.empty(0, dtype=torch.float32, device=self.device)
+        with torch.no_grad():
+            cos, sin = self.rotary_module(probe, positions)
+        half = self.rotary_dim // 2
+        if cos.shape[-1] != self.rotary_dim:
+            raise ValueError(f"rotary module: expected {self.rotary_dim} rotary channels, got {cos.shape[-1]}")
+        pairs = torch.stack([cos[0, :, :half].float(), sin[0, :, :half].float()], dim=-1)
+        return pairs.reshape(num_positions, self.rotary_dim).contiguous()
 
 
 class AttentionAdapter:

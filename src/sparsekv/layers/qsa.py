@@ -55,21 +55,31 @@ from .tensor_parallel import TensorParallelGroup, WeightSlice, head_slice
 
 
 class RotaryTable:
-    """A ``freqs_cis`` table (``sparsekv.rope_freqs_cis``) grown on demand by doubling."""
+    """A ``freqs_cis`` table (``sparsekv.rope_freqs_cis``) grown on demand by doubling.
+
+    It grows to the first power of two (at least 1024) *above* the positions
+    asked for, so the decode step after a prompt of exactly ``2**n`` tokens
+    does not rebuild it. Subclasses change where the rows come from
+    (:meth:`rows`).
+    """
 
     def __init__(self, rotary_dim: int, theta: float, device: torch.device | str | None = None) -> None:
         self.rotary_dim = rotary_dim
         self.theta = theta
         self.device = torch.device(device) if device is not None else torch.device("cpu")
-        self._table = rope_freqs_cis(0, rotary_dim, theta, device=self.device)
+        self._table = torch.empty(0, rotary_dim, dtype=torch.float32, device=self.device)
+
+    def rows(self, num_positions: int) -> torch.Tensor:
+        """``[num_positions, rotary_dim]`` float32: interleaved ``[cos_0, sin_0, cos_1, ...]`` per position."""
+        return rope_freqs_cis(num_positions, self.rotary_dim, self.theta, device=self.device)
 
     def table(self, num_positions: int) -> torch.Tensor:
         """``[>= num_positions, rotary_dim]`` float32 rows."""
         if self._table.shape[0] < num_positions:
             size = max(1024, self._table.shape[0])
-            while size < num_positions:
+            while size <= num_positions:
                 size *= 2
-            self._table = rope_freqs_cis(size, self.rotary_dim, self.theta, device=self.device)
+            self._table = self.rows(size)
         return self._table
 
 
