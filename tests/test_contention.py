@@ -130,3 +130,22 @@ def test_torch_threads_follow_the_policy_and_are_given_back():
         assert torch.get_num_threads() == threads
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(("taken", "contended"), [(True, True), (None, True), (False, False)])
+def test_low_ratio_is_confirmed_by_the_cores_taken(taken, contended):
+    """An uneven region on an idle machine also runs below the threshold: it falls back only when the
+    other runnable tasks leave too few cores (or when that is unknown)."""
+    asked = []
+    policy = ContentionPolicy(cores_taken=lambda threads: asked.append(threads) or taken)
+    policy.record(2, wall=0.010, cpu=0.011, now=0.0)
+    assert asked == [2]
+    assert policy.allow_parallel(0.0) is not contended
+    policy.record(2, wall=0.010, cpu=0.019, now=1.0)  # ran in parallel: not asked
+    assert asked == [2]
+
+
+def test_cores_taken_now_counts_runnable_tasks():
+    taken = _parallel.cores_taken_now(1)
+    assert taken in (True, False, None)
+    assert _parallel.cores_taken_now(1 << 20) in (True, None)  # more threads than any machine has cores

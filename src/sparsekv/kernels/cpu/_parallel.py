@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 
 import numba
 import torch
@@ -115,6 +116,13 @@ class ContentionPolicy:
     no policy). A contended region waits about a scheduler slice (~24 ms), so
     a 2 ms floor still sees it.
 
+    A region can also run below the threshold on an idle machine, when its
+    work splits unevenly over the threads (fewer tasks than threads, one
+    long task). ``cores_taken(threads)``, when given, confirms a low ratio:
+    ``False`` (the other runnable tasks leave ``threads`` cores free) keeps
+    the threads, ``True`` or ``None`` (unknown) falls back.
+    :func:`cores_taken_now` reads the machine's runnable-task count.
+
     With ``torch_threads``, torch's intra-op threads follow the same
     decision: set to one when a region is judged contended, given back (when
     nobody changed them meanwhile) when one runs in parallel again. torch's
@@ -126,8 +134,10 @@ class ContentionPolicy:
     """
 
     def __init__(self, *, min_share: float = 0.3, min_wall: float = 2e-3, first_backoff: float = 0.1,
-                 first_calls: int = 2, max_level: int = 5, torch_threads: bool = False) -> None:
+                 first_calls: int = 2, max_level: int = 5, torch_threads: bool = False,
+                 cores_taken: Callable[[int], bool | None] | None = None) -> None:
         self.min_share = min_share
+        self.cores_taken = cores_taken
         self.min_wall = min_wall
         self.first_backoff = first_backoff
         self.first_calls = first_calls
@@ -152,7 +162,8 @@ class ContentionPolicy:
         process's CPU time and ended at ``now``."""
         if threads < 2 or wall < self.min_wall:
             return
-        if cpu < wall * (1.0 + (threads - 1) * self.min_share):
+        if cpu < wall * (1.0 + (threads - 1) * self.min_share) and (
+                self.cores_taken is None or self.cores_taken(threads) is not False):
             self.contended_regions += 1
             self.serial_until = now + self.first_backoff * 2**self.level
             self.serial_calls = self.first_calls * 2**self.level
@@ -177,7 +188,22 @@ class ContentionPolicy:
             self.saved_torch_threads = None
 
 
-CONTENTION = ContentionPolicy(torch_threads=True)
+def cores_taken_now(threads: int) -> bool | None:
+    """Whether the tasks runnable right now elsewhere leave fewer than ``threads`` of this process's CPUs
+    free (Linux: ``/proc/loadavg``'s running count, less the calling thread); ``None`` where unknown.
+
+    Reading it costs about 20 us, so the policy asks only to confirm a region
+    that looked contended."""
+    try:
+        with open("/proc/loadavg", "rb") as file:
+            running = int(file.read().split()[3].split(b"/")[0])
+        cpus = len(os.sched_getaffinity(0))
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+    return (running - 1) + threads > cpus
+
+
+CONTENTION = ContentionPolicy(torch_threads=True, cores_taken=cores_taken_now)
 """The process-wide policy every :func:`numba_threads` block follows, torch's threads included:
 contention is a property of the machine, so what one kernel sees applies to all."""
 
