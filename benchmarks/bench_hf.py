@@ -361,8 +361,9 @@ def main() -> None:
             print("  ".join("-" * width for width in widths))
     print(f"{args.family}: batch {args.batch}, {args.dtype}, {layers} layers ({len(indexed)} indexed), hidden "
           f"{config.get_text_config().hidden_size}; {describe(config)}")
-    print(f"decode: ms per step over {args.decode_steps} steps after the prefill; unpatched skipped above context "
-          f"{hf_max}, eager above {eager_max}; largest |logit| {largest_logit:.2f}")
+    limits = f"; unpatched skipped above context {hf_max}, eager above {eager_max}" if models else ""
+    print(f"decode: ms per step over {args.decode_steps} steps after the prefill{limits}; largest |logit| "
+          f"{largest_logit:.2f}")
     print(f"{args.clock} clock; torch threads {torch.get_num_threads()}, numba threads {numba.get_num_threads()}; "
           f"load average before {load_before[0]:.1f}, after {os.getloadavg()[0]:.1f} (on {os.cpu_count()} CPUs)")
 
