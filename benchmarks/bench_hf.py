@@ -280,7 +280,8 @@ def main() -> None:
     parser.add_argument("--impls", default="eager,sdpa",
                         help="Hugging Face attention implementations to time (\"\": the patched model alone)")
     parser.add_argument("--eager-max-context", type=int, help="skip eager above this (default: the family's)")
-    parser.add_argument("--hf-max-context", type=int, help="skip the unpatched model above this (default: the family's)")
+    parser.add_argument("--hf-max-context", type=int,
+                        help="skip the unpatched model above this (default: the family's)")
     parser.add_argument("--threads", type=int, help="torch and numba threads (default: their own)")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                         help="wall time, or the process's CPU time (with --threads 1: the work done, whatever "
