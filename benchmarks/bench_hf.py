@@ -1,27 +1,50 @@
-"""A Hugging Face Qwen4Exp model, unpatched (eager / sdpa) against sparsekv-patched: prefill and decode.
+"""A Hugging Face model with indexed attention, unpatched (eager / sdpa) against sparsekv-patched: prefill and decode.
 
-    python benchmarks/bench_hf.py [--contexts 4096,16384] [--decode-steps 8] [--dtype fp32|bf16]
-                                  [--impls eager,sdpa] [--eager-max-context 8192] [--threads N]
-                                  [--clock wall|cpu]
+    python benchmarks/bench_hf.py [--family qwen4_exp|glm5_next|glm_moe_dsa|deepseek_v32]
+                                  [--contexts 4096,16384] [--decode-steps 8] [--dtype fp32|bf16]
+                                  [--impls eager,sdpa] [--eager-max-context N] [--hf-max-context N]
+                                  [--layers N] [--heads N] [--threads N] [--clock wall|cpu]
+
+A seeded model of ``--family`` with the published model's per-layer attention
+shapes but few and narrow layers (``--layers``, ``--heads``, hidden size 512,
+4 small experts), written with ``save_pretrained`` and loaded back with
+``from_pretrained``:
+
+- ``qwen4_exp``: QSA (head_dim 256, RoPE on 64 channels, 2 KV heads, indexer
+  4 heads x 128, budget 2048 tokens, ratio 4); every second layer indexed
+  (the last one always), the others linear attention.
+- ``glm5_next`` (GLM-5-Next, Hugging Face's GLM-5.3-Flash defaults): NoPE MLA
+  (q_lora_rank 1536, kv_lora_rank 512, qk_nope_head_dim 256, v_head_dim
+  256), k-pool indexer 32 heads x 128, top-k 2048 tokens in pools of 16
+  (random k-pool compression weights: see :func:`seed_kpool_compression`);
+  layers repeat (full indexer, shared selection, linear attention).
+- ``glm_moe_dsa`` (GLM-5): MLA (q_lora_rank 2048, kv_lora_rank 512,
+  qk_rope_head_dim 64, qk_nope_head_dim 192, v_head_dim 256), DSA indexer
+  32 heads x 128, top-k 2048; every layer indexed, each runs its indexer.
+- ``deepseek_v32`` (DeepSeek-V3.2): MLA (q_lora_rank 1536, kv_lora_rank 512,
+  qk_rope_head_dim 64, qk_nope_head_dim 128, v_head_dim 128, YaRN RoPE),
+  DSA indexer 64 heads x 128, top-k 2048; every layer indexed.
+
+For each context length: one prefill of ``context`` random tokens into a
+fresh ``DynamicCache`` (only the last position's logits), then
+``--decode-steps`` single-token steps. The indexed-attention modules (the
+``self_attn`` of the indexed layers, the module Hugging Face calls) are timed
+separately with forward hooks (the same hooks on both models). ``x`` columns:
+unpatched time / patched time. ``max|dlogit|``: the largest difference of the
+last logits between the two models (a sanity check; the tests hold the exact
+agreement), next to the largest logit in the footer.
 
 The patched side also skips Hugging Face's dense ``[B, 1, T, past + T]``
-mask, which the unpatched side builds for its indexer.
-
-A seeded model with the real QSA attention shapes per layer (head_dim 256,
-RoPE on 64 channels, 2 KV heads, indexer 4 heads x 128, budget 2048 tokens,
-ratio 4) but few and narrow layers (``--layers``, ``--heads``), written with
-``save_pretrained`` and loaded back with ``from_pretrained``. For each context
-length: one prefill of ``context`` random tokens into a fresh ``DynamicCache``
-(only the last position's logits), then ``--decode-steps`` single-token steps.
-The indexed-attention modules are timed separately with forward hooks (the
-same hooks on both models). ``x`` columns: unpatched time / patched time.
-``max|dlogit|``: the largest difference of the last logits between the two
-models (a sanity check; the tests hold the exact agreement).
-
-Hugging Face's QSA indexer runs a Python loop over every query and builds
-dense ``[queries, keys]`` masks, and eager attention materialises
-``[heads, queries, keys]`` float32 weights: eager is skipped above
-``--eager-max-context`` (memory), and long contexts take minutes unpatched.
+masks where the family has them. Hugging Face's indexers score every query
+against every key at once (QSA: a Python loop over the queries with dense
+``[queries, keys]`` masks; DSA: float32 ``[queries, index heads, keys]``
+scores, GLM-5-Next: the same over pools of 16 keys), and eager attention
+materialises ``[heads, queries, keys]`` float32 weights: the unpatched model
+is skipped above ``--hf-max-context`` and eager above ``--eager-max-context``
+(memory; the defaults depend on the family: the DSA indexers' scores make
+the unpatched prefill's peak about 6 GB for ``glm_moe_dsa`` and 10 GB for
+``deepseek_v32`` at 4096 tokens, four times that at 8192), and long contexts
+take minutes unpatched. ``--impls ""`` times the patched model alone.
 """
 
 from __future__ import annotations
@@ -30,29 +53,158 @@ import argparse
 import os
 import tempfile
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 import numba
 import torch
-from transformers import DynamicCache, Qwen4ExpForCausalLM, Qwen4ExpTextConfig
+import transformers
+from transformers import DynamicCache
 
 from sparsekv.integrations.transformers import end_generation, get_manager, patch_model
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
+#: Settings every benchmark config shares: a small vocabulary, no special tokens, weights at a fixed scale.
+COMMON = dict(vocab_size=2048, hidden_size=512, initializer_range=0.05, pad_token_id=None, bos_token_id=None,
+              eos_token_id=None)
+#: A small MoE for the MLA families (the first layer dense, the others sparse).
+SMALL_MOE = dict(intermediate_size=1024, moe_intermediate_size=256, n_routed_experts=4, num_experts_per_tok=2,
+                 n_shared_experts=1, n_group=1, topk_group=1)
 
-def bench_config(layers: int, heads: int) -> Qwen4ExpTextConfig:
+
+def qwen4_exp_config(layers: int, heads: int) -> transformers.Qwen4ExpTextConfig:
     """``layers`` decoder layers, every second one indexed attention (the last one always)."""
     types = ["indexed_attention" if (layers - 1 - i) % 2 == 0 else "linear_attention" for i in range(layers)]
-    return Qwen4ExpTextConfig(
-        vocab_size=2048, hidden_size=512, num_hidden_layers=layers, layer_types=types,
+    return transformers.Qwen4ExpTextConfig(
+        **COMMON, num_hidden_layers=layers, layer_types=types,
         num_attention_heads=heads, num_key_value_heads=2, head_dim=256,
         rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
         linear_conv_kernel_dim=4, linear_key_head_dim=64, linear_value_head_dim=64, linear_num_key_heads=2,
         linear_num_value_heads=4, hc_count=2, hc_lowrank=32, moe_intermediate_size=256,
         shared_expert_intermediate_size=256, num_experts=4, num_experts_per_tok=2,
         indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=128, indexer_budget=2048, indexer_compress_ratio=4,
-        max_position_embeddings=65536, initializer_range=0.05, pad_token_id=None, bos_token_id=None,
-        eos_token_id=None)
+        max_position_embeddings=65536)
+
+
+def glm5_next_config(layers: int, heads: int) -> transformers.Glm5NextConfig:
+    """Layers repeat (indexed with its own indexer, indexed sharing that selection, linear attention).
+
+    A shared layer reuses the selection of the layer right before it
+    (Hugging Face passes it from one decoder layer to the next), so it
+    follows a full one directly. The vision tower is a token one (text
+    prompts never run it).
+    """
+    types = ["linear_attention" if i % 3 == 2 else "indexed_attention" for i in range(layers)]
+    text = transformers.Glm5NextTextConfig(
+        **COMMON, **SMALL_MOE, num_hidden_layers=layers, layer_types=types,
+        indexer_types=["shared" if i % 3 == 1 else "full" for i in range(layers)],
+        mlp_layer_types=["dense"] + ["sparse"] * (layers - 1),
+        num_attention_heads=heads, num_key_value_heads=heads, q_lora_rank=1536, kv_lora_rank=512,
+        qk_rope_head_dim=0, qk_nope_head_dim=256, v_head_dim=256,
+        index_n_heads=32, index_head_dim=128, index_topk=2048, index_kpool=16, index_kpool_always_select_tail=True,
+        linear_head_dim=64, linear_num_heads=4, hc_mult=2, max_position_embeddings=65536)
+    vision = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=16, out_hidden_size=512,
+                  projection_intermediate_size=16, patch_size=2, image_size=8)
+    return transformers.Glm5NextConfig(text_config=text.to_dict(), vision_config=vision)
+
+
+def glm_moe_dsa_config(layers: int, heads: int) -> transformers.GlmMoeDsaConfig:
+    """Every layer indexed attention with its own indexer."""
+    return transformers.GlmMoeDsaConfig(
+        **COMMON, **SMALL_MOE, num_hidden_layers=layers, first_k_dense_replace=1, indexer_types=["full"] * layers,
+        num_attention_heads=heads, num_key_value_heads=heads, q_lora_rank=2048, kv_lora_rank=512,
+        qk_rope_head_dim=64, qk_nope_head_dim=192, v_head_dim=256,
+        index_n_heads=32, index_head_dim=128, index_topk=2048,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6}, max_position_embeddings=65536)
+
+
+def deepseek_v32_config(layers: int, heads: int) -> transformers.DeepseekV32Config:
+    """Every layer indexed attention (DeepSeek-V3.2 has no shared layers), with the published YaRN RoPE."""
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+    return transformers.DeepseekV32Config(
+        **COMMON, **SMALL_MOE, num_hidden_layers=layers, first_k_dense_replace=1,
+        num_attention_heads=heads, num_key_value_heads=heads, q_lora_rank=1536, kv_lora_rank=512,
+        qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+        index_n_heads=64, index_head_dim=128, index_topk=2048,
+        rope_parameters=yarn, max_position_embeddings=163840)
+
+
+def seed_kpool_compression(model: torch.nn.Module) -> None:
+    """Random k-pool compression weights (GLM-5-Next), in place.
+
+    Hugging Face initialises the gate ``[index_head_dim, hidden]`` to ones:
+    every channel's gate logit is then the sum of the token's hidden state,
+    large enough that each pool's softmax puts all its weight on one token,
+    and pools holding the same token id get bit-identical keys. Their index
+    scores tie exactly, which Hugging Face's ``topk`` breaks in no fixed
+    order, and the two models' logits part for reasons unrelated to either.
+    """
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("index_kpool_compress_gate"):
+                param.copy_(torch.randn_like(param) * param.shape[-1] ** -0.5)
+            elif name.endswith("index_kpool_compress_ape"):
+                param.copy_(0.3 * torch.randn_like(param))
+
+
+@dataclass(frozen=True)
+class Family:
+    """What the benchmark needs of one model family.
+
+    ``decoder_layers(model)``: the ``nn.ModuleList`` of decoder layers, whose
+    ``self_attn`` (on the ``"indexed_attention"`` entries of the text
+    config's ``layer_types``) the timers hook. ``eager_max_context`` /
+    ``hf_max_context``: defaults of the flags of the same names, sized so the
+    unpatched model's dense score tensors fit in memory. ``seed``: applied to
+    the freshly initialised model (before saving), where Hugging Face's
+    initial values are unusable for a comparison.
+    """
+
+    build_config: Callable[[int, int], transformers.PreTrainedConfig]
+    model_class: type
+    decoder_layers: Callable[[torch.nn.Module], torch.nn.ModuleList]
+    layers: int
+    heads: int
+    eager_max_context: int
+    hf_max_context: int
+    seed: Callable[[torch.nn.Module], None] | None = None
+
+
+FAMILIES = {
+    "qwen4_exp": Family(qwen4_exp_config, transformers.Qwen4ExpForCausalLM, lambda m: m.model.layers,
+                        layers=2, heads=8, eager_max_context=8192, hf_max_context=16384),
+    "glm5_next": Family(glm5_next_config, transformers.Glm5NextForConditionalGeneration,
+                        lambda m: m.model.language_model.layers,
+                        layers=3, heads=8, eager_max_context=8192, hf_max_context=16384,
+                        seed=seed_kpool_compression),
+    "glm_moe_dsa": Family(glm_moe_dsa_config, transformers.GlmMoeDsaForCausalLM, lambda m: m.model.layers,
+                          layers=2, heads=8, eager_max_context=4096, hf_max_context=4096),
+    "deepseek_v32": Family(deepseek_v32_config, transformers.DeepseekV32ForCausalLM, lambda m: m.model.layers,
+                           layers=2, heads=8, eager_max_context=4096, hf_max_context=4096),
+}
+
+
+def indexed_layers(config: transformers.PreTrainedConfig) -> list[int]:
+    """Ids of the layers with indexed attention (the text config's ``layer_types``)."""
+    return [i for i, kind in enumerate(config.get_text_config().layer_types) if kind == "indexed_attention"]
+
+
+def describe(config: transformers.PreTrainedConfig) -> str:
+    """The attention shapes of ``config``, one line."""
+    text = config.get_text_config()
+    if getattr(text, "kv_lora_rank", None) is None:
+        return (f"QSA {text.num_attention_heads} query heads, {text.num_key_value_heads} KV heads x {text.head_dim}; "
+                f"indexer {text.indexer_n_heads} heads x {text.indexer_head_dim}, budget {text.indexer_budget}, "
+                f"ratio {text.indexer_compress_ratio}")
+    kinds = getattr(text, "indexer_types", None) or ["full"] * text.num_hidden_layers  # DeepSeek-V3.2: no sharing
+    kinds = ", ".join(f"{i}:{kinds[i]}" for i in indexed_layers(config))
+    pool = f" in pools of {text.index_kpool}" if getattr(text, "index_kpool", 1) > 1 else ""
+    return (f"MLA {text.num_attention_heads} heads, q_lora_rank {text.q_lora_rank}, kv_lora_rank "
+            f"{text.kv_lora_rank}, qk {text.qk_nope_head_dim} nope + {text.qk_rope_head_dim} rope, v "
+            f"{text.v_head_dim}; indexer {text.index_n_heads} heads x {text.index_head_dim}, top-k "
+            f"{text.index_topk}{pool}; indexers {kinds}")
 
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
@@ -60,17 +212,19 @@ clock = time.perf_counter
 
 
 class AttentionTimer:
-    """Time spent inside the indexed-attention modules (forward pre-hook to forward hook), on ``clock``."""
+    """Time spent inside the indexed-attention modules (forward pre-hook to forward hook), on ``clock``.
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    The modules are the ``self_attn`` of ``layers`` (decoder layers) at the ids ``indexed``.
+    """
+
+    def __init__(self, layers: torch.nn.ModuleList, indexed: list[int]) -> None:
         self.total = 0.0
         self._start = 0.0
         self._handles = []
-        for layer in model.model.layers:
-            attention = getattr(layer, "self_attn", None)
-            if attention is not None:
-                self._handles.append(attention.register_forward_pre_hook(self._enter))
-                self._handles.append(attention.register_forward_hook(self._leave))
+        for i in indexed:
+            attention = layers[i].self_attn
+            self._handles.append(attention.register_forward_pre_hook(self._enter))
+            self._handles.append(attention.register_forward_hook(self._leave))
 
     def _enter(self, *_):
         self._start = clock()
@@ -101,7 +255,7 @@ def run_case(model, timer: AttentionTimer, ids: torch.Tensor, steps: torch.Tenso
     report = {"prefill": prefill, "prefill_attn": prefill_attention, "decode": decode / steps.shape[1],
               "decode_attn": decode_attention / steps.shape[1], "logits": out.logits[:, -1].float()}
     if getattr(model, "_sparsekv_patch", None) is not None:
-        report["pages"] = get_manager(model).metrics().groups["main"].pages_used
+        report["pages"] = get_manager(model).metrics().groups[model._sparsekv_patch.adapter.main_group].pages_used
         end_generation(cache)
     return report
 
@@ -115,21 +269,30 @@ def set_threads(threads: int | None) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="qwen4_exp")
     parser.add_argument("--contexts", default="4096,16384", help="prompt lengths, comma-separated")
     parser.add_argument("--decode-steps", type=int, default=8)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--heads", type=int, default=8, help="query heads of the attention (the real model: 24)")
-    parser.add_argument("--impls", default="eager,sdpa", help="Hugging Face attention implementations to time")
-    parser.add_argument("--eager-max-context", type=int, default=8192)
-    parser.add_argument("--hf-max-context", type=int, default=16384, help="skip the unpatched model above this")
+    parser.add_argument("--layers", type=int, help="decoder layers (default: the family's, 2 or 3)")
+    parser.add_argument("--heads", type=int, help="query heads of the attention (default 8; the real models: "
+                                                  "qwen4_exp 24, GLM 64, DeepSeek 128)")
+    parser.add_argument("--impls", default="eager,sdpa",
+                        help="Hugging Face attention implementations to time (\"\": the patched model alone)")
+    parser.add_argument("--eager-max-context", type=int, help="skip eager above this (default: the family's)")
+    parser.add_argument("--hf-max-context", type=int,
+                        help="skip the unpatched model above this (default: the family's)")
     parser.add_argument("--threads", type=int, help="torch and numba threads (default: their own)")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                         help="wall time, or the process's CPU time (with --threads 1: the work done, whatever "
                              "else the machine runs)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    family = FAMILIES[args.family]
+    layers = args.layers or family.layers
+    heads = args.heads or family.heads
+    eager_max = family.eager_max_context if args.eager_max_context is None else args.eager_max_context
+    hf_max = family.hf_max_context if args.hf_max_context is None else args.hf_max_context
     global clock
     clock = CLOCKS[args.clock]
     set_threads(args.threads)
@@ -139,32 +302,43 @@ def main() -> None:
     load_before = os.getloadavg()
 
     torch.manual_seed(args.seed)
-    config = bench_config(args.layers, args.heads)
+    config = family.build_config(layers, heads)
+    vocab = config.get_text_config().vocab_size
+    indexed = indexed_layers(config)
     with tempfile.TemporaryDirectory() as path:
-        Qwen4ExpForCausalLM(config).save_pretrained(path)
-        models = {name: Qwen4ExpForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=name).eval()
+        model = family.model_class(config)
+        if family.seed is not None:
+            family.seed(model)
+        model.save_pretrained(path)
+        del model
+        models = {name: family.model_class.from_pretrained(path, dtype=dtype, attn_implementation=name).eval()
                   for name in impls}
-        patched = patch_model(Qwen4ExpForCausalLM.from_pretrained(path, dtype=dtype).eval(),
+        patched = patch_model(family.model_class.from_pretrained(path, dtype=dtype).eval(),
                               page_size=128, num_pages=args.batch * (max(contexts) + args.decode_steps) // 128 + 8)
-    timers = {name: AttentionTimer(model) for name, model in {**models, "sparsekv": patched}.items()}
-    warm = torch.randint(0, config.vocab_size, (args.batch, 80))
+    timers = {name: AttentionTimer(family.decoder_layers(model), indexed)
+              for name, model in {**models, "sparsekv": patched}.items()}
+    warm = torch.randint(0, vocab, (args.batch, 80))
     for name, model in {**models, "sparsekv": patched}.items():
         run_case(model, timers[name], warm[:, :64], warm[:, 64:66])  # first calls: kernel compiles, allocations
     set_threads(args.threads)
 
     rows = []
+    largest_logit = 0.0
     for context in contexts:
         gen = torch.Generator().manual_seed(args.seed + context)
-        ids = torch.randint(0, config.vocab_size, (args.batch, context), generator=gen)
-        steps = torch.randint(0, config.vocab_size, (args.batch, args.decode_steps), generator=gen)
+        ids = torch.randint(0, vocab, (args.batch, context), generator=gen)
+        steps = torch.randint(0, vocab, (args.batch, args.decode_steps), generator=gen)
         ours = run_case(patched, timers["sparsekv"], ids, steps)
+        largest_logit = max(largest_logit, ours["logits"].abs().max().item())
         for name, model in models.items():
-            limit = args.eager_max_context if name == "eager" else args.hf_max_context
+            limit = eager_max if name == "eager" else hf_max
             peer = run_case(model, timers[name], ids, steps) if context <= limit else None
             for phase in ("prefill", "decode"):
                 rows.append((context, phase, name, ours, peer))
             if peer is not None:
                 ours["dlogit_" + name] = (peer["logits"] - ours["logits"]).abs().max().item()
+        if not models:
+            rows += [(context, phase, "-", ours, None) for phase in ("prefill", "decode")]
         print(f"context {context}: done", flush=True)
 
     header = ("context", "phase", "peer", "peer ms", "peer attn ms", "sparsekv ms", "sparsekv attn ms",
@@ -173,7 +347,8 @@ def main() -> None:
     for context, phase, name, ours, peer in rows:
         scale = 1e3
         if peer is None:
-            cells = ("skipped", "-", f"{ours[phase] * scale:.1f}", f"{ours[phase + '_attn'] * scale:.1f}", "-", "-", "-")
+            cells = ("skipped" if models else "-", "-", f"{ours[phase] * scale:.1f}",
+                     f"{ours[phase + '_attn'] * scale:.1f}", "-", "-", "-")
         else:
             cells = (f"{peer[phase] * scale:.1f}", f"{peer[phase + '_attn'] * scale:.1f}",
                      f"{ours[phase] * scale:.1f}", f"{ours[phase + '_attn'] * scale:.1f}",
@@ -185,10 +360,13 @@ def main() -> None:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
         if i == 0:
             print("  ".join("-" * width for width in widths))
-    print(f"batch {args.batch}, {args.dtype}, {args.layers} layers ({sum(t == 'indexed_attention' for t in config.layer_types)} "
-          f"indexed), {args.heads} query heads; decode: ms per step over {args.decode_steps} steps after the prefill")
-    print(f"{args.clock} clock; torch threads {torch.get_num_threads()}, numba threads {numba.get_num_threads()}; load average before {load_before[0]:.1f}, after "
-          f"{os.getloadavg()[0]:.1f} (on {os.cpu_count()} CPUs)")
+    print(f"{args.family}: batch {args.batch}, {args.dtype}, {layers} layers ({len(indexed)} indexed), hidden "
+          f"{config.get_text_config().hidden_size}; {describe(config)}")
+    limits = f"; unpatched skipped above context {hf_max}, eager above {eager_max}" if models else ""
+    print(f"decode: ms per step over {args.decode_steps} steps after the prefill{limits}; largest |logit| "
+          f"{largest_logit:.2f}")
+    print(f"{args.clock} clock; torch threads {torch.get_num_threads()}, numba threads {numba.get_num_threads()}; "
+          f"load average before {load_before[0]:.1f}, after {os.getloadavg()[0]:.1f} (on {os.cpu_count()} CPUs)")
 
 
 if __name__ == "__main__":
