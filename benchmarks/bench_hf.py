@@ -40,8 +40,9 @@ against every key at once (QSA: a Python loop over the queries with dense
 ``[queries, keys]`` masks; DSA: float32 ``[queries, index heads, keys]``
 scores, GLM-5-Next: the same over pools of 16 keys), and eager attention
 materialises ``[heads, queries, keys]`` float32 weights: the unpatched model
-is skipped above ``--hf-max-context`` and eager above ``--eager-max-context``
-(memory; the defaults depend on the family: the DSA indexers' scores make
+is skipped above ``--hf-max-context`` and eager's prefill above
+``--eager-max-context`` (eager's decode steps are still timed there, after a
+prefill through sdpa into the same cache; memory; the defaults depend on the family: the DSA indexers' scores make
 the unpatched prefill's peak about 6 GB for ``glm_moe_dsa`` and 10 GB for
 ``deepseek_v32`` at 4096 tokens, four times that at 8192), and long contexts
 take minutes unpatched. ``--impls ""`` times the patched model alone.
@@ -237,14 +238,27 @@ class AttentionTimer:
         return value
 
 
-def run_case(model, timer: AttentionTimer, ids: torch.Tensor, steps: torch.Tensor) -> dict:
-    """Prefill ``ids [B, T]``, then decode ``steps [B, S]``; seconds per phase and the last logits."""
+def run_case(model, timer: AttentionTimer, ids: torch.Tensor, steps: torch.Tensor, *,
+             prefill_impl: str | None = None) -> dict:
+    """Prefill ``ids [B, T]``, then decode ``steps [B, S]``; seconds per phase and the last logits.
+
+    ``prefill_impl``: run the prefill with this Hugging Face attention
+    implementation instead (its time is then not reported), e.g. eager decode
+    steps after an sdpa prefill where eager's prefill would not fit in memory.
+    """
     cache = DynamicCache(config=model.config)
     timer.take()
+    own_impl = model.config._attn_implementation
     with torch.no_grad():
-        start = clock()
-        out = model(ids, past_key_values=cache, logits_to_keep=1)
-        prefill = clock() - start
+        if prefill_impl is not None:
+            model.set_attn_implementation(prefill_impl)
+        try:
+            start = clock()
+            out = model(ids, past_key_values=cache, logits_to_keep=1)
+            prefill = clock() - start
+        finally:
+            if prefill_impl is not None:
+                model.set_attn_implementation(own_impl)
         prefill_attention = timer.take()
         decode = 0.0
         for i in range(steps.shape[1]):
@@ -254,6 +268,8 @@ def run_case(model, timer: AttentionTimer, ids: torch.Tensor, steps: torch.Tenso
     decode_attention = timer.take()
     report = {"prefill": prefill, "prefill_attn": prefill_attention, "decode": decode / steps.shape[1],
               "decode_attn": decode_attention / steps.shape[1], "logits": out.logits[:, -1].float()}
+    if prefill_impl is not None:
+        report["prefill"] = report["prefill_attn"] = None
     if getattr(model, "_sparsekv_patch", None) is not None:
         report["pages"] = get_manager(model).metrics().groups[model._sparsekv_patch.adapter.main_group].pages_used
         end_generation(cache)
@@ -331,8 +347,11 @@ def main() -> None:
         ours = run_case(patched, timers["sparsekv"], ids, steps)
         largest_logit = max(largest_logit, ours["logits"].abs().max().item())
         for name, model in models.items():
-            limit = eager_max if name == "eager" else hf_max
-            peer = run_case(model, timers[name], ids, steps) if context <= limit else None
+            peer = None
+            if context <= (eager_max if name == "eager" else hf_max):
+                peer = run_case(model, timers[name], ids, steps)
+            elif name == "eager" and context <= hf_max:  # eager decode steps after an sdpa prefill
+                peer = run_case(model, timers[name], ids, steps, prefill_impl="sdpa")
             for phase in ("prefill", "decode"):
                 rows.append((context, phase, name, ours, peer))
             if peer is not None:
@@ -346,7 +365,7 @@ def main() -> None:
     table = [header]
     for context, phase, name, ours, peer in rows:
         scale = 1e3
-        if peer is None:
+        if peer is None or peer[phase] is None:
             cells = ("skipped" if models else "-", "-", f"{ours[phase] * scale:.1f}",
                      f"{ours[phase + '_attn'] * scale:.1f}", "-", "-", "-")
         else:
@@ -362,7 +381,8 @@ def main() -> None:
             print("  ".join("-" * width for width in widths))
     print(f"{args.family}: batch {args.batch}, {args.dtype}, {layers} layers ({len(indexed)} indexed), hidden "
           f"{config.get_text_config().hidden_size}; {describe(config)}")
-    limits = f"; unpatched skipped above context {hf_max}, eager above {eager_max}" if models else ""
+    limits = (f"; unpatched skipped above context {hf_max}, eager prefill above {eager_max} (eager decode "
+              f"steps then follow an sdpa prefill)" if models else "")
     print(f"decode: ms per step over {args.decode_steps} steps after the prefill{limits}; largest |logit| "
           f"{largest_logit:.2f}")
     print(f"{args.clock} clock; torch threads {torch.get_num_threads()}, numba threads {numba.get_num_threads()}; "
