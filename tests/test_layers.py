@@ -11,11 +11,12 @@ import math
 import pytest
 import torch
 
-from sparsekv import mla_kpool_compress, rope_freqs_cis
+from sparsekv import mla_kpool_compress, qsa_select_tokens, rope_freqs_cis
 from sparsekv.cache.manager import CacheGroupSpec, PagedKVCacheManager
 from sparsekv.demo import seed_parameters
 from sparsekv.layers import (Glm5NextConfig, Glm5NextIndexerSlice, GlmMoeDsaConfig, KPoolIndexerLayer, MlaSlice,
                              MlaSparseAttention, QSAAttention, Qwen4ExpConfig, RotaryTable, mla_cache_groups)
+from sparsekv.layers.qsa import every_causal_token
 
 QWEN = Qwen4ExpConfig(hidden_size=48, num_hidden_layers=1, qsa_layers=(0,), num_attention_heads=4,
                       num_key_value_heads=2, head_dim=16, partial_rotary_factor=0.5, rope_theta=1e4,
@@ -304,3 +305,18 @@ def test_rotary_table_grows_past_the_positions_asked_for():
     assert first.shape[0] > 2048
     assert rotary.table(2049) is first
     assert torch.equal(first, rope_freqs_cis(first.shape[0], 8, 1e4))
+
+
+@pytest.mark.parametrize(("budget", "ratio"), [(8, 4), (2048, 4), (12, 3)])
+def test_short_histories_select_every_causal_token_without_scoring(budget, ratio, seed):
+    """Rows that see at most budget + R - 1 tokens: the layer's direct selection is what
+    qsa_select_tokens returns for any scores (SPEC 2.4), so compress and score can be skipped."""
+    width = budget + ratio - 1
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [1, 5, width]
+    positions = torch.cat([torch.randint(0, n, (3,), generator=gen) for n in lengths]).to(torch.int32)
+    offsets = torch.tensor([0, 3, 6, 9], dtype=torch.int32)
+    scores = torch.randn(9, width // ratio + 2, generator=gen)
+    want = qsa_select_tokens(scores, positions, offsets, ratio=ratio, budget=budget)
+    got = every_causal_token(positions, width)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

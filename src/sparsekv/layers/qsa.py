@@ -147,8 +147,16 @@ class QSAIndexer(nn.Module):
 
         Returns ``(indices [T, budget + R - 1] int32, counts [T] int32)``.
         ``max_blocks`` is sized from the collection's ``max_cache_length +
-        max_seq_length`` (no device read).
+        max_seq_length`` (no device read). While no row can see more than
+        ``budget + R - 1`` tokens (known from those two, again without a device
+        read), SPEC 2.4 selects every causal token: the selection is then
+        written directly, the same indices in the same order, without
+        compressing or scoring.
         """
+        width = self.budget + self.ratio - 1
+        if index_cache.max_cache_length + index_cache.max_seq_length <= width:
+            with timer("qsa.select"):
+                return every_causal_token(positions, width)
         offsets = input_row_offsets.to(torch.int64)
         key_counts = index_cache.cache_lengths.to(torch.int64) + (offsets[1:] - offsets[:-1])
         max_blocks = (index_cache.max_cache_length + index_cache.max_seq_length) // self.ratio
@@ -163,6 +171,14 @@ class QSAIndexer(nn.Module):
             indices, counts = qsa_select_tokens(scores, positions, input_row_offsets, ratio=self.ratio,
                                                 budget=self.budget)
         return indices, counts
+
+
+def every_causal_token(positions: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The selection of rows that see at most ``width`` tokens: ``indices [T, width]`` int32 holding
+    ``0 .. t`` then ``-1``, and ``counts = t + 1`` (``positions [T]`` int32, every ``t < width``)."""
+    columns = torch.arange(width, dtype=torch.int32, device=positions.device)
+    indices = torch.where(columns[None, :] <= positions[:, None], columns[None, :], -1).to(torch.int32)
+    return indices, (positions + 1).to(torch.int32)
 
 
 class QSAResult(NamedTuple):
@@ -382,4 +398,4 @@ class Qwen4ExpSlice(nn.Module):
 
 
 __all__ = ["QSAAttention", "QSAIndexer", "QSAResult", "Qwen4ExpSlice", "RotaryTable", "ZeroCentredRMSNorm",
-           "dense_causal_attention"]
+           "dense_causal_attention", "every_causal_token"]
