@@ -4,16 +4,25 @@ A tiny seeded HF model is built from a config, saved with ``save_pretrained``
 and sparsekv's layers load the same files by HF's names. HF's attention
 modules are then called directly, chunk by chunk, with an HF cache; sparsekv's
 layers run the same chunks on a paged cache.
+
+The integration tests (tests/test_hf_integration*.py) share the inputs and
+drivers below: a left-padded batch of two prompts, greedy generation, and
+prefill followed by single-token decode steps, each run on the patched and
+the unpatched model.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from sparsekv.cache.manager import PagedKVCacheManager
 from sparsekv.layers import CheckpointReader, load_module_weights
 
 FP32_RTOL = 1e-5
+#: Prompt lengths of the integration tests' two-row batch, and the tokens they generate.
+PROMPT_LENGTHS = (21, 13)
+NEW_TOKENS = 24
 
 
 def seed_hf_model(model: torch.nn.Module, seed: int) -> None:
@@ -104,3 +113,67 @@ def compare_selection(ours: list[int], theirs: list[int], scores: torch.Tensor, 
     assert all(abs(float(scores[p]) - boundary) <= rtol * abs(boundary) for p in differing), (
         sorted(mine ^ hers), boundary, [float(scores[p]) for p in differing])
     return False
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """The tiny models' matmuls take microseconds; torch's thread pool only adds waiting on a busy machine.
+
+    A module that imports this fixture and wants it for every test marks it
+    autouse through ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def left_padded_batch(seed: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two prompts of PROMPT_LENGTHS tokens in ``[2, vocab)``, left-padded with token 1 under mask 0.
+
+    ``(ids, mask)``, both int64 ``[2, max(PROMPT_LENGTHS)]``.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    width = max(PROMPT_LENGTHS)
+    ids = torch.ones(len(PROMPT_LENGTHS), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, length in enumerate(PROMPT_LENGTHS):
+        ids[row, width - length:] = torch.randint(2, vocab, (length,), generator=gen)
+        mask[row, width - length:] = 1
+    return ids, mask
+
+
+def generate(model, ids, mask):
+    """Greedy generation of exactly NEW_TOKENS tokens, returning the sequences and per-step logits."""
+    return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                          do_sample=False, output_logits=True, return_dict_in_generate=True)
+
+
+def prefill_and_decode(model, ids, mask, steps):
+    """Prefill the left-padded prompts, then decode ``steps [B, S]`` one token at a time.
+
+    Returns the outputs per call (logits where the model has a head, else
+    hidden states) and the cache. On a patched model every decode step also
+    checks the manager: it holds each row's real tokens only.
+    """
+    from transformers import DynamicCache
+
+    from sparsekv.integrations.transformers import get_manager
+
+    cache = DynamicCache(config=model.config)
+    outputs = []
+    with torch.no_grad():
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        first = model(ids, attention_mask=mask, position_ids=positions, past_key_values=cache)
+        outputs.append(first.logits if hasattr(first, "logits") else first.last_hidden_state)
+        for i in range(steps.shape[1]):
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            out = model(steps[:, i:i + 1], attention_mask=mask, position_ids=mask.sum(-1, keepdim=True) - 1,
+                        past_key_values=cache)
+            outputs.append(out.logits if hasattr(out, "logits") else out.last_hidden_state)
+            if getattr(model, "_sparsekv_patch", None) is not None:
+                manager = get_manager(model)
+                manager.check_invariants()
+                held = [manager.cache_length(rid) for rid in cache.layers[0].generation.request_ids]
+                assert held == mask.sum(-1).tolist()  # real tokens only: padding is never stored
+    return outputs, cache

@@ -22,6 +22,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 from transformers import DynamicCache, Qwen4ExpForCausalLM, Qwen4ExpTextConfig, Qwen4ExpTextModel  # noqa: E402
 
+from hf_parity import NEW_TOKENS, PROMPT_LENGTHS, generate, left_padded_batch, prefill_and_decode  # noqa: E402
+from hf_parity import one_torch_thread  # noqa: E402, F401  (a fixture, used through pytestmark)
+
 from sparsekv import InsufficientPagesError  # noqa: E402
 from sparsekv.integrations.transformers import (  # noqa: E402
     UnsupportedFeatureError,
@@ -32,9 +35,9 @@ from sparsekv.integrations.transformers import (  # noqa: E402
 )
 
 SEED = 20261201
-NEW_TOKENS = 24
-PROMPT_LENGTHS = (21, 13)
 VOCAB = 96
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def tiny_config() -> Qwen4ExpTextConfig:
@@ -50,15 +53,6 @@ def tiny_config() -> Qwen4ExpTextConfig:
         initializer_range=0.1, pad_token_id=None, bos_token_id=None, eos_token_id=None)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """The tiny model's matmuls take microseconds; torch's thread pool only adds waiting on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     torch.manual_seed(SEED)
@@ -72,23 +66,6 @@ def load(checkpoint, cls=Qwen4ExpForCausalLM, dtype=torch.float32):
     return cls.from_pretrained(checkpoint, dtype=dtype).eval()
 
 
-def left_padded_batch(seed: int = SEED) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two prompts of PROMPT_LENGTHS tokens, left-padded with token 1 under mask 0."""
-    gen = torch.Generator().manual_seed(seed)
-    width = max(PROMPT_LENGTHS)
-    ids = torch.ones(len(PROMPT_LENGTHS), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, length in enumerate(PROMPT_LENGTHS):
-        ids[row, width - length:] = torch.randint(2, VOCAB, (length,), generator=gen)
-        mask[row, width - length:] = 1
-    return ids, mask
-
-
-def generate(model, ids, mask):
-    return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                          do_sample=False, output_logits=True, return_dict_in_generate=True)
-
-
 def assert_no_pages(model) -> None:
     manager = get_manager(model)
     manager.check_invariants()
@@ -99,7 +76,7 @@ def assert_no_pages(model) -> None:
 @pytest.fixture(scope="module")
 def reference(checkpoint):
     """Hugging Face's own greedy generation (tokens, per-step logits) on the unpatched checkpoint."""
-    ids, mask = left_padded_batch()
+    ids, mask = left_padded_batch(SEED, VOCAB)
     with torch.no_grad():
         out = generate(load(checkpoint), ids, mask)
     return ids, mask, out.sequences, torch.stack(out.logits, dim=1)
@@ -123,7 +100,7 @@ def test_generate_matches_hf_and_frees_pages(checkpoint, reference):
 
 def test_generate_continues_a_prefilled_cache(checkpoint):
     """A cache prefilled by a direct call, handed to generate: same tokens as HF, released when generate returns."""
-    ids, mask = left_padded_batch(SEED + 3)
+    ids, mask = left_padded_batch(SEED + 3, VOCAB)
 
     def run(model):
         cache = DynamicCache(config=model.config)
@@ -154,34 +131,13 @@ def test_weights_are_shared_and_unpatch_restores(checkpoint):
     assert not hasattr(model, "_sparsekv_patch")
 
 
-def _prefill_and_decode(model, ids, mask, steps):
-    """Prefill the left-padded prompts, then decode ``steps [B, S]`` one token at a time; outputs per call."""
-    cache = DynamicCache(config=model.config)
-    outputs = []
-    with torch.no_grad():
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        first = model(ids, attention_mask=mask, position_ids=positions, past_key_values=cache)
-        outputs.append(first.logits if hasattr(first, "logits") else first.last_hidden_state)
-        for i in range(steps.shape[1]):
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            out = model(steps[:, i:i + 1], attention_mask=mask, position_ids=mask.sum(-1, keepdim=True) - 1,
-                        past_key_values=cache)
-            outputs.append(out.logits if hasattr(out, "logits") else out.last_hidden_state)
-            if getattr(model, "_sparsekv_patch", None) is not None:
-                manager = get_manager(model)
-                manager.check_invariants()
-                held = [manager.cache_length(rid) for rid in cache.layers[0].generation.request_ids]
-                assert held == (mask.sum(-1)).tolist()  # real tokens only: padding is never stored
-    return outputs, cache
-
-
 @pytest.mark.parametrize("cls", [Qwen4ExpForCausalLM, Qwen4ExpTextModel], ids=["causal_lm", "text_model"])
 def test_direct_prefill_and_decode_match_hf(checkpoint, cls):
-    ids, mask = left_padded_batch(SEED + 1)
+    ids, mask = left_padded_batch(SEED + 1, VOCAB)
     steps = torch.randint(2, VOCAB, (2, 5), generator=torch.Generator().manual_seed(SEED + 2))
-    expected, _ = _prefill_and_decode(load(checkpoint, cls), ids, mask, steps)
+    expected, _ = prefill_and_decode(load(checkpoint, cls), ids, mask, steps)
     model = patch_model(load(checkpoint, cls), page_size=8, num_pages=32)
-    got, cache = _prefill_and_decode(model, ids, mask, steps)
+    got, cache = prefill_and_decode(model, ids, mask, steps)
     real = mask.bool()
     assert (got[0][real] - expected[0][real]).abs().max().item() <= 2e-5  # padding rows are not compared
     for step in range(1, len(got)):
@@ -192,7 +148,7 @@ def test_direct_prefill_and_decode_match_hf(checkpoint, cls):
 
 
 def test_direct_calls_release_pages_with_cache_or_reset(checkpoint, monkeypatch):
-    ids, mask = left_padded_batch()
+    ids, mask = left_padded_batch(SEED, VOCAB)
     model = patch_model(load(checkpoint), page_size=8, num_pages=32)
 
     def no_dense_mask(*args, **kwargs):
@@ -215,7 +171,7 @@ def test_direct_calls_release_pages_with_cache_or_reset(checkpoint, monkeypatch)
 
 
 def test_unsupported_features_raise(checkpoint):
-    ids, mask = left_padded_batch()
+    ids, mask = left_padded_batch(SEED, VOCAB)
     model = patch_model(load(checkpoint), page_size=8, num_pages=32)
     with torch.no_grad():
         with pytest.raises(UnsupportedFeatureError, match="beam search"):
@@ -253,7 +209,7 @@ def test_unsupported_features_raise(checkpoint):
 
 
 def test_out_of_pages_changes_nothing(checkpoint):
-    ids, mask = left_padded_batch()
+    ids, mask = left_padded_batch(SEED, VOCAB)
     model = patch_model(load(checkpoint), page_size=8, num_pages=4)  # 21 + 13 tokens need 3 + 2 pages
     with torch.no_grad(), pytest.raises(InsufficientPagesError):
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2)
@@ -268,7 +224,7 @@ def test_core_package_does_not_import_transformers():
 
 def test_real_tokens_only_reach_the_cache(checkpoint):
     """The manager's pages hold each row's real tokens at positions 0, 1, ...: padding leaves no trace."""
-    ids, mask = left_padded_batch()
+    ids, mask = left_padded_batch(SEED, VOCAB)
     model = patch_model(load(checkpoint), page_size=8, num_pages=32)
     short = ids[1:, -PROMPT_LENGTHS[1]:]
     with torch.no_grad():

@@ -25,7 +25,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hf_parity import seed_hf_model  # noqa: E402
+from hf_parity import NEW_TOKENS, generate, left_padded_batch, prefill_and_decode, seed_hf_model  # noqa: E402
+from hf_parity import one_torch_thread  # noqa: E402, F401  (a fixture, used through pytestmark)
 
 from sparsekv.integrations.transformers import (  # noqa: E402
     UnsupportedFeatureError,
@@ -35,8 +36,6 @@ from sparsekv.integrations.transformers import (  # noqa: E402
     unpatch_model,
 )
 
-NEW_TOKENS = 24
-PROMPT_LENGTHS = (21, 13)
 VOCAB = 64
 PAGE = 8
 MLA = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=16,
@@ -45,6 +44,8 @@ MLA = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=2, num_key_valu
            pad_token_id=None, bos_token_id=None, eos_token_id=None)
 FAMILIES = ("glm5_next", "glm_moe_dsa", "deepseek_v32")
 SEEDS = {"glm5_next": 11, "glm_moe_dsa": 12, "deepseek_v32": 13}
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def glm5_next_text_config() -> transformers.Glm5NextTextConfig:
@@ -73,15 +74,6 @@ def build_model(family: str):
     return model
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """The tiny models' matmuls take microseconds; torch's thread pool only adds waiting on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     paths = {}
@@ -100,23 +92,6 @@ def load(path, family: str, text_only: bool = False):
     if not text_only:
         return model
     return model.model.language_model if family == "glm5_next" else model.model
-
-
-def left_padded_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two prompts of PROMPT_LENGTHS tokens, left-padded with token 1 under mask 0."""
-    gen = torch.Generator().manual_seed(seed)
-    width = max(PROMPT_LENGTHS)
-    ids = torch.ones(len(PROMPT_LENGTHS), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, length in enumerate(PROMPT_LENGTHS):
-        ids[row, width - length:] = torch.randint(2, VOCAB, (length,), generator=gen)
-        mask[row, width - length:] = 1
-    return ids, mask
-
-
-def generate(model, ids, mask):
-    return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                          do_sample=False, output_logits=True, return_dict_in_generate=True)
 
 
 def assert_no_pages(model) -> None:
@@ -147,7 +122,7 @@ def record_boundary_gaps(adapter) -> list[float]:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_generate_matches_hf_and_frees_pages(checkpoints, family):
-    ids, mask = left_padded_batch(SEEDS[family])
+    ids, mask = left_padded_batch(SEEDS[family], VOCAB)
     with torch.no_grad():
         ref = generate(load(checkpoints[family], family), ids, mask)
     ref_logits = torch.stack(ref.logits, dim=1)
@@ -173,37 +148,15 @@ def test_generate_matches_hf_and_frees_pages(checkpoints, family):
     assert "forward" not in attention.__dict__
 
 
-def _prefill_and_decode(model, ids, mask, steps, check_pages: bool):
-    """Prefill the left-padded prompts, then decode ``steps [B, S]`` one token at a time; hidden states per call."""
-    cache = transformers.DynamicCache(config=model.config)
-    outputs = []
-    with torch.no_grad():
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        outputs.append(model(ids, attention_mask=mask, position_ids=positions,
-                             past_key_values=cache).last_hidden_state)
-        for i in range(steps.shape[1]):
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            out = model(steps[:, i:i + 1], attention_mask=mask, position_ids=mask.sum(-1, keepdim=True) - 1,
-                        past_key_values=cache)
-            outputs.append(out.last_hidden_state)
-            if check_pages:
-                manager = get_manager(model)
-                manager.check_invariants()
-                held = [manager.cache_length(rid) for rid in cache.layers[0].generation.request_ids]
-                assert held == mask.sum(-1).tolist()  # real tokens only: padding is never stored
-    return outputs, cache
-
-
 @pytest.mark.parametrize("family", ["glm5_next", "glm_moe_dsa"])
 def test_text_model_prefill_and_decode_match_hf(checkpoints, family):
     """The bare text model: prefill, then 7 decode steps (GLM-5-Next: crossing two k-pool boundaries)."""
-    ids, mask = left_padded_batch(SEEDS[family] + 1)
+    ids, mask = left_padded_batch(SEEDS[family] + 1, VOCAB)
     steps = torch.randint(2, VOCAB, (2, 7), generator=torch.Generator().manual_seed(6))
-    expected, _ = _prefill_and_decode(load(checkpoints[family], family, text_only=True), ids, mask, steps,
-                                      check_pages=False)
+    expected, _ = prefill_and_decode(load(checkpoints[family], family, text_only=True), ids, mask, steps)
     model = patch_model(load(checkpoints[family], family, text_only=True), page_size=PAGE, num_pages=24)
     gaps = record_boundary_gaps(model._sparsekv_patch.adapter)
-    got, cache = _prefill_and_decode(model, ids, mask, steps, check_pages=True)
+    got, cache = prefill_and_decode(model, ids, mask, steps)
     assert len(gaps) > 20 and min(gaps) > 1e-5  # no tied top-k boundary (decode steps seed 5 has one)
     real = mask.bool()
     assert (got[0][real] - expected[0][real]).abs().max().item() <= 2e-5  # padding rows are not compared
@@ -214,7 +167,7 @@ def test_text_model_prefill_and_decode_match_hf(checkpoints, family):
 
 
 def test_unsupported_features_raise(checkpoints):
-    ids, mask = left_padded_batch(3)
+    ids, mask = left_padded_batch(3, VOCAB)
     model = patch_model(load(checkpoints["glm_moe_dsa"], "glm_moe_dsa"), page_size=PAGE, num_pages=24)
     with torch.no_grad():
         with pytest.raises(UnsupportedFeatureError, match="beam search"):

@@ -493,7 +493,16 @@ class Glm5NextConfig(_MlaConfig):
 
 
 @dataclass(frozen=True)
-class GlmMoeDsaConfig(_MlaConfig):
+class _DsaConfig(_MlaConfig):
+    """The MLA families with the DSA indexer: the k-pool indexer with ``kpool = 1`` (every token its own pool)."""
+
+    index_kpool: ClassVar[int] = 1
+    index_kpool_always_select_tail: ClassVar[bool] = False
+    index_kpool_mode: ClassVar[str] = "softmax"
+
+
+@dataclass(frozen=True)
+class GlmMoeDsaConfig(_DsaConfig):
     """GLM-5: MLA sparse attention with the DSA indexer (``kpool = 1``); defaults are HF's ``GlmMoeDsaConfig``'s.
 
     The indexer rotates its first ``qk_rope_head_dim`` channels with
@@ -503,9 +512,6 @@ class GlmMoeDsaConfig(_MlaConfig):
 
     model_type: ClassVar[str] = "glm_moe_dsa"
     indexer_rope: ClassVar[str] = "interleave"
-    index_kpool: ClassVar[int] = 1
-    index_kpool_always_select_tail: ClassVar[bool] = False
-    index_kpool_mode: ClassVar[str] = "softmax"
 
     hidden_size: int = 6144
     num_hidden_layers: int = 78
@@ -520,7 +526,7 @@ class GlmMoeDsaConfig(_MlaConfig):
 
 
 @dataclass(frozen=True)
-class DeepseekV32Config(_MlaConfig):
+class DeepseekV32Config(_DsaConfig):
     """DeepSeek-V3.2: MLA sparse attention with the DSA indexer (``kpool = 1``); HF's ``DeepseekV32Config`` defaults.
 
     The indexer rotates its first ``qk_rope_head_dim`` channels with the
@@ -530,9 +536,6 @@ class DeepseekV32Config(_MlaConfig):
 
     model_type: ClassVar[str] = "deepseek_v32"
     indexer_rope: ClassVar[str] = "half"
-    index_kpool: ClassVar[int] = 1
-    index_kpool_always_select_tail: ClassVar[bool] = False
-    index_kpool_mode: ClassVar[str] = "softmax"
 
     hidden_size: int = 7168
     num_hidden_layers: int = 61

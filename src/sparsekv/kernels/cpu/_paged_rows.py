@@ -7,7 +7,8 @@ import numba
 import numpy as np
 import torch
 
-from ._bits import as_numba
+from ._bits import as_numba, narrow
+from ._tile_ops import new_query_tiles, put_query
 
 
 def flat_plane(blocks: torch.Tensor, plane: int, layer: int) -> tuple[np.ndarray, int, int]:
@@ -62,3 +63,24 @@ def token_starts(starts, positions, table_row, page_size, page_stride, plane_bas
             page, slot = position // page_size, position % page_size
         starts[i] = table_row[page] * page_stride + plane_base + (slot * kv_heads + kv_head) * dim
     starts[n:] = starts[n - 1] if n > 0 else 0
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def zero_heads(out, lse, r, h0, group):
+    """Row ``r``'s heads ``h0 .. h0+group-1`` as a row with no selected token: ``lse`` -inf, ``out`` 0
+    (``out [total_q, q_heads, Dv]`` float32 or bf16/fp16 bits, ``lse [total_q, q_heads]`` float32)."""
+    for h in range(h0, h0 + group):
+        lse[r, h] = -np.inf
+        out_row = out[r, h]
+        for d in range(out.shape[2]):
+            out_row[d] = narrow(np.float32(0.0), out)
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def query_tile_of_heads(q, r, h0, group, lanes):
+    """One query tile (:func:`._tile_ops.new_query_tiles`, ``lanes`` wide) holding row ``r``'s heads
+    ``h0 .. h0+group-1`` of ``q [total_q, q_heads, D]`` in lanes ``0 .. group-1``, zeros after."""
+    q_t = new_query_tiles(q, 1, lanes)[0]
+    for h in range(group):
+        put_query(q_t, h, q[r, h0 + h])
+    return q_t

@@ -41,11 +41,10 @@ from numba import prange
 from ._bits import as_numba, narrow
 from ._math import scaled_softmax_in_place
 from ._pages import check_counted_entries
-from ._paged_rows import flat_plane, sequence_of_rows, token_starts
+from ._paged_rows import flat_plane, query_tile_of_heads, sequence_of_rows, token_starts, zero_heads
 from ._parallel import PARALLEL_JIT, threads_for
 from ._tile_ir import KEYS_PER_TILE, VECTOR, WEIGHTED_CHANNELS
-from ._tile_ops import (KEYS_PER_TASK, dots_of_gathered_rows, gather_rows, new_query_tiles, new_scratch,
-                        new_value_scratch, put_query, weighted_rows)
+from ._tile_ops import KEYS_PER_TASK, dots_of_gathered_rows, gather_rows, new_scratch, new_value_scratch, weighted_rows
 
 __all__ = ["mla_sparse_attention_paged"]
 
@@ -73,16 +72,10 @@ def _mla_attention_kernel(out, lse, q, cache, page_stride, base, page_size, tabl
         group = min(heads_per_task, q_heads - h0)
         count = min(counts[r], width)
         if count <= 0:
-            for h in range(h0, h0 + group):
-                lse[r, h] = -np.inf
-                out_row = out[r, h]
-                for d in range(v_dim):
-                    out_row[d] = narrow(np.float32(0.0), out)
+            zero_heads(out, lse, r, h0, group)
             continue
         b = seq_of_row[r]
-        q_t = new_query_tiles(q, 1, lanes)[0]
-        for h in range(group):
-            put_query(q_t, h, q[r, h0 + h])
+        q_t = query_tile_of_heads(q, r, h0, group, lanes)
         logits = np.empty((count + KEYS_PER_TILE, lanes), np.float32)
         starts = np.empty(count + 2 * KEYS_PER_TILE, np.int64)
         token_starts(starts, indices[r, :count], table[b], page_size, page_stride, base, 1, 0, dim)

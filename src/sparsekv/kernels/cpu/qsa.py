@@ -65,11 +65,11 @@ from ...cache.layout import page_error
 from ._bits import as_numba, narrow, widen
 from ._score_tasks import plan_score_tasks, relu_sums, score_task
 from ._tile_ir import KEYS_PER_TILE, SQUARE_SUM_ROWS, VECTOR, WEIGHTED_CHANNELS
-from ._tile_ops import (KEYS_PER_TASK, dots_of_gathered_rows, dots_of_rows, gather_rows, new_query_tiles, new_scratch,
-                        new_value_scratch, put_query, square_sums_in_order, transpose_dots, weighted_rows)
+from ._tile_ops import (KEYS_PER_TASK, dots_of_gathered_rows, dots_of_rows, gather_rows, new_scratch,
+                        new_value_scratch, square_sums_in_order, transpose_dots, weighted_rows)
 from ._math import scaled_softmax_in_place
 from ._pages import check_counted_entries, first_missing_page
-from ._paged_rows import flat_plane, sequence_of_rows, token_starts
+from ._paged_rows import flat_plane, query_tile_of_heads, sequence_of_rows, token_starts, zero_heads
 from ._parallel import PARALLEL_JIT, threads_for
 
 _ROWS_PER_TASK = 64  # block-key rows per compress task (groups of SQUARE_SUM_ROWS: their RMSNorm sums run at once)
@@ -269,16 +269,10 @@ def _sparse_attention_kernel(out, lse, q, cache, page_stride, key_base, value_ba
         h0 = kvh * group
         count = min(counts[r], width)
         if count <= 0:
-            for h in range(h0, h0 + group):
-                lse[r, h] = -np.inf
-                out_row = out[r, h]
-                for d in range(dim):
-                    out_row[d] = narrow(np.float32(0.0), out)
+            zero_heads(out, lse, r, h0, group)
             continue
         b = seq_of_row[r]
-        q_t = new_query_tiles(q, 1, lanes)[0]
-        for h in range(group):
-            put_query(q_t, h, q[r, h0 + h])
+        q_t = query_tile_of_heads(q, r, h0, group, lanes)
         logits = np.empty((count + KEYS_PER_TILE, lanes), np.float32)
         starts = np.empty(count + 2 * KEYS_PER_TILE, np.int64)
         token_starts(starts, indices[r, :count], table[b], page_size, page_stride, key_base, kv_heads, kvh, dim)

@@ -83,6 +83,21 @@ def finish(acc, running_max, denom, row, heads, head_ok, dims, dim_ok,
 
 
 @triton.jit
+def store_partials(acc, running_max, denom, row, heads, head_ok, dims, split, part_acc_ptr, part_stats_ptr,
+                   Q_HEADS: tl.constexpr, BD: tl.constexpr):
+    """Store one span's unnormalised partial of one row's heads for :func:`merge_kernel`.
+
+    ``acc [heads, BD]``, ``running_max`` and ``denom [heads]`` fp32; partial
+    ``(row * Q_HEADS + head) * num_splits + split`` holds ``acc`` in
+    ``part_acc [parts, BD]`` and (max, denominator) in ``part_stats [parts, 2]``.
+    """
+    part = (row * Q_HEADS + heads).to(tl.int64) * tl.num_programs(2) + split
+    tl.store(part_acc_ptr + part[:, None] * BD + dims[None, :], acc, mask=head_ok[:, None])
+    tl.store(part_stats_ptr + part * 2, running_max, mask=head_ok)
+    tl.store(part_stats_ptr + part * 2 + 1, denom, mask=head_ok)
+
+
+@triton.jit
 def split_mma(weights, values, SPLIT_SCALE: tl.constexpr):
     """``weights @ values`` for fp32 ``weights`` and 16-bit ``values``, to about fp32 precision.
 
@@ -162,10 +177,8 @@ def _attention_kernel(
         running_max = new_max
 
     if SPLIT:
-        part = (row * Q_HEADS + heads).to(tl.int64) * tl.num_programs(2) + split
-        tl.store(part_acc_ptr + part[:, None] * BD + dims[None, :], acc, mask=head_ok[:, None])
-        tl.store(part_stats_ptr + part * 2, running_max, mask=head_ok)
-        tl.store(part_stats_ptr + part * 2 + 1, denom, mask=head_ok)
+        store_partials(acc, running_max, denom, row, heads, head_ok, dims, split, part_acc_ptr, part_stats_ptr,
+                       Q_HEADS, BD)
     else:
         finish(acc, running_max, denom, row, heads, head_ok, dims, dim_ok,
                 out_ptr, lse_ptr, gate_ptr, out_stride_row, out_stride_head, gate_stride_row, gate_stride_head,

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from . import _common
 from ..reference.qsa import check_counted_entries
-from ._attention import finish, merge_kernel, num_splits, split_mma
+from ._attention import finish, merge_kernel, num_splits, split_mma, store_partials
 from ._common import TL_DTYPES, find_sequence, lookup_page, mma, next_pow2, page_stride_of, search_steps, unit_stride
 
 __all__ = ["mla_sparse_attention_paged"]
@@ -98,10 +98,8 @@ def _mla_attention_kernel(
         running_max = new_max
 
     if SPLIT:
-        part = (row * Q_HEADS + heads).to(tl.int64) * tl.num_programs(2) + split
-        tl.store(part_acc_ptr + part[:, None] * BV + value_dims[None, :], acc, mask=head_ok[:, None])
-        tl.store(part_stats_ptr + part * 2, running_max, mask=head_ok)
-        tl.store(part_stats_ptr + part * 2 + 1, denom, mask=head_ok)
+        store_partials(acc, running_max, denom, row, heads, head_ok, value_dims, split, part_acc_ptr, part_stats_ptr,
+                       Q_HEADS, BV)
     else:
         finish(acc, running_max, denom, row, heads, head_ok, value_dims, value_ok,
                 out_ptr, lse_ptr, out_ptr, out_stride_row, out_stride_head, 0, 0,
