@@ -71,6 +71,19 @@ def test_register_keeps_an_existing_mapping():
     pool.check_invariants({0: 1, 1: 1})
 
 
+def test_register_many_and_lookup_prefix_match_one_at_a_time():
+    pool = PagePool(4)
+    a, b, c = pool.allocate(3)
+    pool.register_many([a, b, c], [H[0], H[1], H[0]])  # c's hash is taken: c stays unregistered
+    assert (a.page_hash, b.page_hash, c.page_hash) == (H[0], H[1], None)
+    assert pool.lookup_prefix(iter([H[0], H[1], H[2], H[0]])) == ([a, b], [H[0], H[1]])
+    assert pool.lookup_prefix([H[3]]) == ([], [])
+    with pytest.raises(RuntimeError, match="already registered"):
+        pool.register_many([c, a], [H[4], H[5]])
+    assert c.page_hash == H[4] and a.page_hash == H[0]
+    pool.check_invariants({0: 1, 1: 1, 2: 1})
+
+
 def test_insufficient_pages_is_atomic_and_typed():
     pool = PagePool(4)
     pool.allocate(3)
