@@ -119,6 +119,18 @@ def test_release_more_than_acquired_raises_without_changes():
     assert a.ref_count == 1
 
 
+def test_a_failed_release_restores_queue_order_and_counts():
+    pool = PagePool(5)
+    a, b, c = pool.allocate(3)
+    pool.register(a, H[0])
+    before = (pool.queue_order(), pool.num_evictable, pool.num_free)
+    with pytest.raises(RuntimeError, match="page 2: released more often"):
+        pool.release([b, a, c, c])  # b and a reach zero and join the queue before c fails
+    assert (pool.queue_order(), pool.num_evictable, pool.num_free) == before
+    assert (a.ref_count, b.ref_count, c.ref_count) == (1, 1, 1)
+    pool.check_invariants({0: 1, 1: 1, 2: 1})
+
+
 def test_check_invariants_detects_corruption():
     pool = PagePool(3)
     a, _ = pool.allocate(2)

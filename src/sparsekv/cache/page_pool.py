@@ -30,7 +30,7 @@ Example (3 pages)::
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -167,18 +167,27 @@ class PagePool:
         prefix pages are then evicted before the shallow ones every other
         prefix shares), at the front otherwise.
         """
-        drops = Counter(r.page_id for r in records)
-        for page_id, times in drops.items():
-            if self._records[page_id].ref_count < times:
-                raise RuntimeError(f"page {page_id}: released more often than it was acquired")
-        for record in records:
+        queue = self._queue
+        for done, record in enumerate(records):
+            if record.ref_count <= 0:
+                self._undo_release(records[:done])
+                raise RuntimeError(f"page {record.page_id}: released more often than it was acquired")
             record.ref_count -= 1
             if record.ref_count == 0:
-                self._queue[record.page_id] = record
+                queue[record.page_id] = record
                 if record.page_hash is not None:
                     self._num_evictable += 1
                 else:
-                    self._queue.move_to_end(record.page_id, last=False)
+                    queue.move_to_end(record.page_id, last=False)
+
+    def _undo_release(self, records: list[PageRecord]) -> None:
+        """Take back :meth:`release` of ``records`` (its first pages, before one it could not release)."""
+        for record in reversed(records):
+            if record.ref_count == 0:
+                del self._queue[record.page_id]
+                if record.page_hash is not None:
+                    self._num_evictable -= 1
+            record.ref_count += 1
 
     def register(self, record: PageRecord, page_hash: bytes) -> bool:
         """Cache a full, held page under ``page_hash``.
