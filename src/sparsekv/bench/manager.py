@@ -18,9 +18,10 @@ so their size does not change the overhead, only the memory the run needs.
 Peer ``max`` (only with a :class:`MaxManagerPeer`): Modular MAX's paged KV
 cache manager on the same workload (page size, lengths, batch, token ids,
 prefix-hit pattern), run by ``benchmarks/max_manager_peer.py --serve`` in MAX's
-own environment. Its calls and ours alternate, one call each per round, and
-each side's time is the median of its calls; the peer times itself, so the
-pipe between the processes is not counted.
+own environment. Its calls and ours alternate in rounds (ours twice, then
+MAX's twice, the second call of each timed), and each side's time is the
+median over the rounds; the peer times itself, so the pipe between the
+processes is not counted.
 """
 
 from __future__ import annotations
