@@ -5,8 +5,8 @@
 ``--max-python`` names the interpreter of MAX's environment (``.venv-max/bin/python``,
 ``benchmarks/setup_max_peer.sh``): it then runs ``benchmarks/max_manager_peer.py --serve``
 there and adds a ``max`` column, MAX's own paged KV cache manager on the same
-workload, timed in alternation with ours (one call each per round). MAX hashes
-pages with its default ``ahash64``, sparsekv with SHA-256.
+workload, timed in the same rounds as ours (ours, MAX, ours, MAX, ...). MAX
+hashes pages with its default ``ahash64``, sparsekv with SHA-256.
 """
 
 import argparse
