@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build the separate virtual environment for benchmarks/max_peer.py.
+# Build the separate virtual environment for benchmarks/max_peer.py and benchmarks/max_manager_peer.py.
 #
 # Modular MAX is never a dependency of sparsekv: it lives only in .venv-max at
 # the repository root, next to a CPU build of torch and an editable sparsekv, so
@@ -28,6 +28,8 @@ pip=("${venv_dir}/bin/python" -m pip install)
 "${pip[@]}" --upgrade pip
 "${pip[@]}" "${torch_pin}" numpy
 "${pip[@]}" "${max_pin}" "${torch_pin}" numpy
+# MAX's context and KV cache manager modules (max_manager_peer.py) import these; max itself does not pull them in.
+"${pip[@]}" pydantic pillow av pyyaml "${torch_pin}"
 "${pip[@]}" -e "${repo_root}" "${torch_pin}"
 
 "${venv_dir}/bin/python" - <<'EOF'

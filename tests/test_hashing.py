@@ -49,6 +49,15 @@ def test_chain_matches_page_by_page_hashing():
     assert prefix_page_hashes(TOKENS, 4, max_pages=2) == prefix_page_hashes(TOKENS, 4)[:2]
 
 
+def test_chain_list_equals_the_lazy_chain():
+    from sparsekv.cache.hashing import chained_page_hash_list, chained_page_hashes, encode_namespace, token_bytes
+
+    data, ns = token_bytes(TOKENS[:15]), encode_namespace("lora")
+    parent = page_hash(None, [9])
+    assert chained_page_hash_list(parent, data, 4, ns) == list(chained_page_hashes(parent, data, 4, ns))
+    assert chained_page_hash_list(None, data, 4, ns) == list(chained_page_hashes(None, data, 4, ns))
+
+
 def test_hash_depends_on_parent_tokens_order_and_namespace():
     page = TOKENS[:4]
     base = page_hash(None, page)

@@ -538,3 +538,17 @@ def test_wrong_types_are_type_errors_and_wrong_values_value_errors():
     with pytest.raises(ValueError, match=r"prompt_token_ids: .*got 9223372036854775808"):
         mgr.claim("c", [1, 2**63])
     mgr.check_invariants()
+
+
+def test_long_token_lists_convert_and_fail_like_short_ones():
+    from sparsekv.cache.manager import _token_array
+
+    ids = [(7 * t) % 50_000 for t in range(100)]  # past the length where lists are read through struct
+    for given in (ids, tuple(ids), torch.tensor(ids), np.array(ids), range(100)):
+        assert _token_array("ids", given).tolist() == list(given)
+    with pytest.raises(TypeError, match=r"ids: expected integer token ids, got \[0, 7"):
+        _token_array("ids", ids[:-1] + [1.5])
+    with pytest.raises(ValueError, match="ids: expected token ids in \\[0, 2\\*\\*63\\), got 9223372036854775808"):
+        _token_array("ids", ids[:-1] + [2**63])
+    with pytest.raises(ValueError, match="ids: expected token ids >= 0, got -4"):
+        _token_array("ids", ids[:-1] + [-4])

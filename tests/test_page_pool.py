@@ -71,6 +71,19 @@ def test_register_keeps_an_existing_mapping():
     pool.check_invariants({0: 1, 1: 1})
 
 
+def test_register_many_and_lookup_prefix_match_one_at_a_time():
+    pool = PagePool(4)
+    a, b, c = pool.allocate(3)
+    pool.register_many([a, b, c], [H[0], H[1], H[0]])  # c's hash is taken: c stays unregistered
+    assert (a.page_hash, b.page_hash, c.page_hash) == (H[0], H[1], None)
+    assert pool.lookup_prefix(iter([H[0], H[1], H[2], H[0]])) == ([a, b], [H[0], H[1]])
+    assert pool.lookup_prefix([H[3]]) == ([], [])
+    with pytest.raises(RuntimeError, match="already registered"):
+        pool.register_many([c, a], [H[4], H[5]])
+    assert c.page_hash == H[4] and a.page_hash == H[0]
+    pool.check_invariants({0: 1, 1: 1, 2: 1})
+
+
 def test_insufficient_pages_is_atomic_and_typed():
     pool = PagePool(4)
     pool.allocate(3)
@@ -104,6 +117,18 @@ def test_release_more_than_acquired_raises_without_changes():
     with pytest.raises(RuntimeError, match="released more often"):
         pool.release([a, a])
     assert a.ref_count == 1
+
+
+def test_a_failed_release_restores_queue_order_and_counts():
+    pool = PagePool(5)
+    a, b, c = pool.allocate(3)
+    pool.register(a, H[0])
+    before = (pool.queue_order(), pool.num_evictable, pool.num_free)
+    with pytest.raises(RuntimeError, match="page 2: released more often"):
+        pool.release([b, a, c, c])  # b and a reach zero and join the queue before c fails
+    assert (pool.queue_order(), pool.num_evictable, pool.num_free) == before
+    assert (a.ref_count, b.ref_count, c.ref_count) == (1, 1, 1)
+    pool.check_invariants({0: 1, 1: 1, 2: 1})
 
 
 def test_check_invariants_detects_corruption():

@@ -57,6 +57,8 @@ def token_bytes(token_ids: Sequence[int]) -> bytes:
 
     Raises ``TypeError`` for non-integer ids and ``ValueError`` outside the int64 range.
     """
+    if type(token_ids) is array and token_ids.typecode == "q" and not _BIG_ENDIAN:
+        return token_ids.tobytes()
     try:
         tokens = array("q", token_ids)
     except TypeError:
@@ -105,6 +107,22 @@ def chained_page_hashes(parent_hash: bytes | None, token_data: bytes | memoryvie
     for start in range(0, len(data) - stride + 1, stride):
         parent = sha256(join((_DOMAIN, parent, middle, data[start:start + stride]))).digest()
         yield parent
+
+
+def chained_page_hash_list(parent_hash: bytes | None, token_data: bytes | memoryview, page_size: int,
+                           namespace_bytes: bytes) -> list[bytes]:
+    """``list(chained_page_hashes(...))``, without a generator step per page (a commit hashes every page)."""
+    parent = _parent_bytes(parent_hash)
+    stride = 8 * page_size
+    middle = namespace_bytes + page_size.to_bytes(8, "little")
+    data = memoryview(token_data)
+    sha256, join = hashlib.sha256, b"".join
+    digests = []
+    append = digests.append
+    for start in range(0, len(data) - stride + 1, stride):
+        parent = sha256(join((_DOMAIN, parent, middle, data[start:start + stride]))).digest()
+        append(parent)
+    return digests
 
 
 def page_hash(parent_hash: bytes | None, token_ids: Sequence[int], namespace: Namespace = None) -> bytes:

@@ -30,8 +30,8 @@ Example (3 pages)::
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
-from collections.abc import Iterable, Mapping
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from .._checks import check_int
@@ -134,6 +134,22 @@ class PagePool:
         """The page cached under ``page_hash`` (used or evictable), or ``None``."""
         return self._cached.get(page_hash)
 
+    def lookup_prefix(self, page_hashes: Iterable[bytes]) -> tuple[list[PageRecord], list[bytes]]:
+        """The cached pages of the leading ``page_hashes`` up to the first one not cached, and those hashes.
+
+        ``page_hashes`` is read no further than that first miss (a lazy chain stops being hashed there).
+        """
+        records: list[PageRecord] = []
+        hashes: list[bytes] = []
+        get = self._cached.get
+        for page_hash in page_hashes:
+            record = get(page_hash)
+            if record is None:
+                break
+            records.append(record)
+            hashes.append(page_hash)
+        return records, hashes
+
     def acquire(self, records: Iterable[PageRecord]) -> None:
         """Take one more reference on each cached page (a prefix hit); revives evictable pages."""
         for record in records:
@@ -151,18 +167,27 @@ class PagePool:
         prefix pages are then evicted before the shallow ones every other
         prefix shares), at the front otherwise.
         """
-        drops = Counter(r.page_id for r in records)
-        for page_id, times in drops.items():
-            if self._records[page_id].ref_count < times:
-                raise RuntimeError(f"page {page_id}: released more often than it was acquired")
-        for record in records:
+        queue = self._queue
+        for done, record in enumerate(records):
+            if record.ref_count <= 0:
+                self._undo_release(records[:done])
+                raise RuntimeError(f"page {record.page_id}: released more often than it was acquired")
             record.ref_count -= 1
             if record.ref_count == 0:
-                self._queue[record.page_id] = record
+                queue[record.page_id] = record
                 if record.page_hash is not None:
                     self._num_evictable += 1
                 else:
-                    self._queue.move_to_end(record.page_id, last=False)
+                    queue.move_to_end(record.page_id, last=False)
+
+    def _undo_release(self, records: list[PageRecord]) -> None:
+        """Take back :meth:`release` of ``records`` (its first pages, before one it could not release)."""
+        for record in reversed(records):
+            if record.ref_count == 0:
+                del self._queue[record.page_id]
+                if record.page_hash is not None:
+                    self._num_evictable -= 1
+            record.ref_count += 1
 
     def register(self, record: PageRecord, page_hash: bytes) -> bool:
         """Cache a full, held page under ``page_hash``.
@@ -179,6 +204,16 @@ class PagePool:
         self._cached[page_hash] = record
         record.page_hash = page_hash
         return True
+
+    def register_many(self, records: Sequence[PageRecord], page_hashes: Sequence[bytes]) -> None:
+        """:meth:`register` each record under its hash, in order (``zip`` of the two)."""
+        cached = self._cached
+        for record, page_hash in zip(records, page_hashes):
+            if record.ref_count <= 0 or record.page_hash is not None:
+                self.register(record, page_hash)  # raises the error naming the page
+            if page_hash not in cached:
+                cached[page_hash] = record
+                record.page_hash = page_hash
 
     def reset_hashes(self) -> None:
         """Forget every hash; evictable pages become free.
