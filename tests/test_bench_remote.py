@@ -125,3 +125,16 @@ def test_a_self_timed_peer_reports_its_own_time():
     peer = Fixed()
     assert time_interleaved({"peer": peer}, rounds=2, round_ms=5.0) == {"peer": pytest.approx(1.0)}
     assert peer.requests == [(1, 1), (5, 1), (5, 1)]  # warm-up picks 5 calls a round, each after one untimed
+
+
+def test_qsa_row_without_max_says_why_and_keeps_its_other_peers(capsys):
+    import torch
+
+    from sparsekv.bench.qsa import MAX_PEER_SCRIPT, bench_block_score
+
+    if not MAX_PEER_SCRIPT.exists():
+        pytest.skip("not a source checkout")
+    # this Python has no MAX: the server exits before its ready line
+    row = bench_block_score(2, 256, 4, torch.bfloat16, sys.executable)
+    assert "max" not in row.peers_ms and {"1thread", "reference", "copy", "peak"} <= set(row.peers_ms)
+    assert "no MAX column for block_score 256" in capsys.readouterr().err and row.note == ""

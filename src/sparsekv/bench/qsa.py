@@ -102,6 +102,14 @@ def max_peer(max_python: str | None, op: str, batch: int, keys: int, dtype: torc
         yield peer
 
 
+def _max_note(peer: RemotePeer | None, peers: dict[str, float]) -> str:
+    """What the ``max`` column measured: MAX's version and threads, and its time."""
+    if peer is None or "max" not in peers:
+        return ""
+    return (f"max: MAX {peer.info.get('max_version', '?')} ({peer.info.get('threads', '?')} threads), "
+            f"{peers['max']:.3f} ms, timed in its own process in the same rounds")
+
+
 def bench_compress(batch: int, keys: int, dtype: torch.dtype, max_python: str | None,
                    threads: int | None = None) -> BenchRow:
     """One decode step that pools every complete block of every sequence."""
@@ -124,7 +132,7 @@ def bench_compress(batch: int, keys: int, dtype: torch.dtype, max_python: str | 
     with max_peer(max_python, "compress", batch, keys, dtype, threads) as peer:
         ours, peers = _time_with_peers(call, peer, copy=copy_peer(nbytes))
     return BenchRow("qsa_compress_keys_paged", f"B={batch} keys={keys}-b D=128 R=4 rot=64 page=128",
-                    DTYPE_NAMES[dtype], "cpu", ours, nbytes, peers)
+                    DTYPE_NAMES[dtype], "cpu", ours, nbytes, peers, _max_note(peer, peers))
 
 
 def bench_block_score(batch: int, keys: int, rows_per_seq: int, dtype: torch.dtype,
@@ -151,7 +159,7 @@ def bench_block_score(batch: int, keys: int, rows_per_seq: int, dtype: torch.dty
         ours, peers = _time_with_peers(call, peer, copy=copy_peer(nbytes), peak=peak)
     kind = "decode" if rows_per_seq <= ROWS_PER_SEQUENCE else "prefill chunk"
     return BenchRow("qsa_block_score", f"{kind}: B={batch} rows={rows_per_seq}/seq heads=4 blocks={max_blocks}",
-                    DTYPE_NAMES[dtype], "cpu", ours, nbytes, peers)
+                    DTYPE_NAMES[dtype], "cpu", ours, nbytes, peers, _max_note(peer, peers))
 
 
 def bench_select(batch: int, keys: int) -> BenchRow:
