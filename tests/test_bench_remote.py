@@ -138,3 +138,15 @@ def test_qsa_row_without_max_says_why_and_keeps_its_other_peers(capsys):
     row = bench_block_score(2, 256, 4, torch.bfloat16, sys.executable)
     assert "max" not in row.peers_ms and {"1thread", "reference", "copy", "peak"} <= set(row.peers_ms)
     assert "no MAX column for block_score 256" in capsys.readouterr().err and row.note == ""
+
+
+def test_a_max_peer_that_fails_mid_row_leaves_the_row_timed_without_it(capsys):
+    from sparsekv.bench.qsa import _time_with_peers
+
+    class Dies(SelfTimedPeer):
+        def time_calls(self, calls, warmup=0):
+            raise RemotePeerError("peer exited (3)")
+
+    ours, peers = _time_with_peers(lambda: None, Dies(), copy=lambda: None)
+    assert ours > 0 and set(peers) == {"1thread", "reference", "copy"}
+    assert "no MAX column for this row: peer exited (3)" in capsys.readouterr().err
