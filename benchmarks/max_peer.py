@@ -46,6 +46,17 @@ the last place, whether the outputs agree bit for bit, and whether they meet
 SPEC 4's tolerance for the output dtype (block scores are float32 for every
 input dtype). It also compares every later call's output with the first, bit
 for bit, and reports any call that differs.
+
+``--serve`` builds the graph and inputs once, makes two warm-up calls, and
+then times calls on request, so that a benchmark can time MAX in the same
+rounds as its own calls (``sparsekv.bench.remote``): it prints
+``{"ready": true, ...}`` (the case: op, shape, ``bytes_moved``, MAX's
+version, ``compile_s``), then answers each stdin line ``{"calls": n,
+"warmup": w}`` with ``{"calls": n, "seconds": s}``, the wall time of ``n``
+``model.execute`` calls after ``w`` untimed ones, until stdin ends. Anything
+else the process prints goes to stderr::
+
+    echo '{"calls": 5, "warmup": 1}' | .venv-max/bin/python benchmarks/max_peer.py --op compress --serve
 """
 
 from __future__ import annotations
@@ -399,7 +410,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--against", choices=("reference", "cpu"), default="reference",
                         help="sparsekv backend --check compares with (default reference)")
     parser.add_argument("--quick", action="store_true", help="tiny run: batch 2, 1024 keys, 3 repeats")
+    parser.add_argument("--serve", action="store_true",
+                        help="build once, then time calls on request (JSON lines on stdin and stdout)")
     args = parser.parse_args(argv)
+    if args.serve and (args.check or args.json):
+        parser.error("--serve: cannot be combined with --check or --json (it answers in JSON lines itself)")
     if args.quick:
         args.batch, args.keys, args.repeat = 2, 1024, 3
     if args.batch < 1:
@@ -415,8 +430,52 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def serve(args: argparse.Namespace) -> int:
+    """``--serve``: build the case once, then answer timing requests (``sparsekv.bench.remote``)."""
+    from sparsekv.bench.remote import serve as serve_requests
+
+    # The protocol owns the real stdout; whatever MAX or torch print goes to stderr.
+    protocol = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
+    sys.stdout.flush()
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+
+    def write(line: str) -> None:
+        protocol.write(line)
+        protocol.flush()
+
+    try:
+        dtype = TORCH_DTYPES[args.dtype]
+        if args.threads is not None:
+            os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[: args.threads])
+            torch.set_num_threads(args.threads)
+        session = InferenceSession(devices=[CPU()])
+        make_case = make_compress_case if args.op == "compress" else make_block_score_case
+        case = make_case(args.batch, args.keys, dtype, args.seed)
+        graph = build_graph(args.op, args.batch, args.keys, dtype, case.input_types)
+        started = time.perf_counter()
+        model = session.load(graph)
+        compile_s = time.perf_counter() - started
+        for _ in range(2):
+            model.execute(*case.max_args)
+    except Exception as exc:
+        write(json.dumps({"error": f"{type(exc).__name__}: {exc}"}) + "\n")
+        return 1
+
+    def run() -> None:
+        model.execute(*case.max_args)
+
+    ready = {"op": args.op, "batch": args.batch, "keys": args.keys, "dtype": args.dtype,
+             "bytes_moved": case.bytes_moved, "max_version": importlib.metadata.version("max"),
+             "threads": args.threads if args.threads is not None else "max-default",
+             "compile_s": round(compile_s, 2), **case.extra}
+    serve_requests(run, sys.stdin, write, ready=ready)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.serve:
+        return serve(args)
     dtype = TORCH_DTYPES[args.dtype]
     # MAX sizes its worker pool from the CPUs the process may use. (Its own knob,
     # InferenceSession(num_threads=...), aborts the process in 26.7: "getOrCreateCPUDevice

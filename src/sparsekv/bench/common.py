@@ -100,6 +100,33 @@ def time_call(fn: Callable[[], object], *, device: torch.device | str | None = N
     return statistics.median(samples)
 
 
+class SelfTimedPeer:
+    """A peer that times its own calls (in another process, say), for :func:`time_interleaved`.
+
+    :meth:`time_calls` runs ``warmup`` untimed calls, then ``calls`` timed calls back to back, and returns
+    the wall time of the timed ones in seconds, measured where they ran. Calling the peer runs one call.
+    """
+
+    def time_calls(self, calls: int, warmup: int = 0) -> float:
+        raise NotImplementedError
+
+    def __call__(self) -> None:
+        self.time_calls(1)
+
+
+def _round_ms(fn: Callable[[], object], repeats: int, device: torch.device | None) -> float:
+    """Milliseconds per call of ``repeats`` calls of ``fn`` back to back, after one untimed call."""
+    if isinstance(fn, SelfTimedPeer):
+        return fn.time_calls(repeats, warmup=1) * 1e3 / repeats
+    fn()
+    _sync(device)
+    started = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    _sync(device)
+    return (time.perf_counter() - started) * 1e3 / repeats
+
+
 def time_interleaved(calls: dict[str, Callable[[], object]], *, rounds: int = 9,
                      device: torch.device | str | None = None, round_ms: float = 2.0) -> dict[str, float]:
     """Median per-call time (ms) of every call, measured in interleaved rounds.
@@ -110,28 +137,18 @@ def time_interleaved(calls: dict[str, Callable[[], object]], *, rounds: int = 9,
     round's sample). A machine that slows down or speeds up during the run
     then shifts every column alike, so the ratios between ours and the peers
     stay fair; timing one call's repeats before the next call's would put the
-    drift into the ratio.
+    drift into the ratio. A :class:`SelfTimedPeer` takes its turn the same way
+    and reports the time of its timed calls itself.
     """
     device = torch.device(device) if device is not None else None
     repeats = {}
     for name, fn in calls.items():  # warm-up; its time picks the repeats per round
-        fn()
-        _sync(device)
-        started = time.perf_counter()
-        fn()
-        _sync(device)
-        elapsed_ms = (time.perf_counter() - started) * 1e3
+        elapsed_ms = _round_ms(fn, 1, device)
         repeats[name] = max(1, min(100, int(round_ms / max(elapsed_ms, 1e-3))))
     samples: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(rounds):
         for name, fn in calls.items():
-            fn()
-            _sync(device)
-            started = time.perf_counter()
-            for _ in range(repeats[name]):
-                fn()
-            _sync(device)
-            samples[name].append((time.perf_counter() - started) * 1e3 / repeats[name])
+            samples[name].append(_round_ms(fn, repeats[name], device))
     return {name: statistics.median(times) for name, times in samples.items()}
 
 

@@ -15,16 +15,25 @@ each KV head's query heads as the rows of one attention; ``sdpa(gqa)``:
 path; the row's note gives both times), for block score and sparse attention
 the same multiply-adds at the register tile's peak (``peak``, :mod:`.peak`;
 its column is the fraction of the peak reached) and, when a Python with
-Modular MAX is given, MAX's own CPU kernel (``max``, via
-``benchmarks/max_peer.py``).
+Modular MAX is given, MAX's own CPU kernel (``max``) on the compress and
+decode block-score rows.
+
+The ``max`` peer is ``benchmarks/max_peer.py --serve``, started once per row
+in that Python (:class:`.remote.RemotePeer`): it builds MAX's graph and
+inputs for the row's shape, and then takes its turn in every round of
+:func:`.common.time_interleaved` next to ours, timing its calls in its own
+process, so both sides run at the same moments under the same load. It is
+stopped when the row ends, also on an error. Its idle process is not quite
+idle: MAX's runtime keeps a thread polling (a few percent of one core), which
+runs during our turns too.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
 import math
-import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -36,49 +45,69 @@ from ..ops.qsa import qsa_block_score, qsa_compress_keys_paged, qsa_select_token
 from .common import (DTYPE_NAMES, PAGE_SIZE, BenchRow, backend, copy_peer, one_thread, random_paged_blocks,
                      time_interleaved)
 from .peak import tile_peak_peer
+from .remote import RemotePeer, RemotePeerError, python_env
 
 HEAD_DIM, RATIO, ROTARY_DIM, THETA, EPS = 128, 4, 64, 1e7, 1e-6
 INDEX_HEADS, ROWS_PER_SEQUENCE, BUDGET = 4, 4, 2048
 Q_HEADS, KV_HEADS, MAIN_HEAD_DIM = 24, 2, 256
-MAX_PEER_SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "max_peer.py"
+SOURCE_ROOT = Path(__file__).resolve().parents[2]  # the directory holding the sparsekv package
+MAX_PEER_SCRIPT = SOURCE_ROOT.parent / "benchmarks" / "max_peer.py"  # present in a source checkout only
 
 
-def _time_with_peers(call, **peers) -> tuple[float, dict[str, float]]:
+def _time_with_peers(call, max_peer: RemotePeer | None = None, **peers) -> tuple[float, dict[str, float]]:
     """Our time and each peer's, interleaved (:func:`.common.time_interleaved`); the ``reference`` peer
-    is ``call`` itself under ``SPARSEKV_BACKEND=reference``, the ``1thread`` peer ``call`` on one thread."""
+    is ``call`` itself under ``SPARSEKV_BACKEND=reference``, the ``1thread`` peer ``call`` on one thread,
+    the ``max`` peer ``max_peer`` when given (if it fails, the reason goes to stderr and the row is timed
+    again without it)."""
 
     def reference():
         with backend("reference"):
             call()
 
-    times = time_interleaved({"ours": call, "1thread": one_thread(call), "reference": reference, **peers})
+    calls = {"ours": call, "1thread": one_thread(call), "reference": reference, **peers}
+    if max_peer is not None:
+        try:
+            times = time_interleaved({**calls, "max": max_peer})
+        except RemotePeerError as exc:
+            print(f"bench_qsa: no MAX column for this row: {exc}", file=sys.stderr)
+        else:
+            return times.pop("ours"), times
+    times = time_interleaved(calls)
     return times.pop("ours"), times
 
 
-def max_peer_ms(max_python: str | None, op: str, batch: int, keys: int, dtype: torch.dtype,
-                threads: int | None = None) -> float | None:
-    """MAX's median time for the same case, or ``None`` (with the reason on stderr) when unavailable."""
+@contextlib.contextmanager
+def max_peer(max_python: str | None, op: str, batch: int, keys: int, dtype: torch.dtype,
+             threads: int | None = None) -> Iterator[RemotePeer | None]:
+    """MAX's kernel for the same case, served by ``benchmarks/max_peer.py --serve`` in ``max_python``
+    for the block, or ``None`` (with the reason on stderr) when that is unavailable. The process is
+    stopped when the block ends, also on an error."""
     if not max_python:
-        return None
+        yield None
+        return
     if not MAX_PEER_SCRIPT.exists():
         print(f"bench_qsa: no MAX column: {MAX_PEER_SCRIPT} is absent", file=sys.stderr)
-        return None
-    command = [max_python, str(MAX_PEER_SCRIPT), "--op", op, "--batch", str(batch), "--keys", str(keys),
-               "--dtype", DTYPE_NAMES[dtype], "--json"] + (["--threads", str(threads)] if threads else [])
+        yield None
+        return
+    command = [max_python, str(MAX_PEER_SCRIPT), "--serve", "--op", op, "--batch", str(batch), "--keys",
+               str(keys), "--dtype", DTYPE_NAMES[dtype]] + (["--threads", str(threads)] if threads else [])
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False)
-    except (OSError, subprocess.TimeoutExpired) as exc:
+        # the server imports this same sparsekv (its shapes and RoPE table), not one installed there
+        peer = RemotePeer(command, env=python_env(SOURCE_ROOT))
+    except RemotePeerError as exc:
         print(f"bench_qsa: no MAX column for {op} {keys}: {exc}", file=sys.stderr)
-        return None
-    if done.returncode != 0:
-        why = (done.stderr.strip() or done.stdout.strip()).splitlines()[-1:] or ["no output"]
-        print(f"bench_qsa: no MAX column for {op} {keys}: exit {done.returncode}: {why[0]}", file=sys.stderr)
-        return None
-    try:
-        return float(json.loads(done.stdout.strip().splitlines()[-1])["median_ms"])
-    except (ValueError, KeyError, IndexError) as exc:
-        print(f"bench_qsa: no MAX column for {op} {keys}: unreadable output ({exc})", file=sys.stderr)
-        return None
+        yield None
+        return
+    with peer:
+        yield peer
+
+
+def _max_note(peer: RemotePeer | None, peers: dict[str, float]) -> str:
+    """What the ``max`` column measured: MAX's version and threads, and its time."""
+    if peer is None or "max" not in peers:
+        return ""
+    return (f"max: MAX {peer.info.get('max_version', '?')} ({peer.info.get('threads', '?')} threads), "
+            f"{peers['max']:.3f} ms, timed in its own process in the same rounds")
 
 
 def bench_compress(batch: int, keys: int, dtype: torch.dtype, max_python: str | None,
@@ -100,12 +129,10 @@ def bench_compress(batch: int, keys: int, dtype: torch.dtype, max_python: str | 
     size = blocks.element_size()
     nbytes = (complete * RATIO * HEAD_DIM * size + out.numel() * size
               + complete * ROTARY_DIM * freqs.element_size() + HEAD_DIM * size)
-    ours, peers = _time_with_peers(call, copy=copy_peer(nbytes))
-    max_ms = max_peer_ms(max_python, "compress", batch, keys, dtype, threads)
-    if max_ms is not None:
-        peers["max"] = max_ms
+    with max_peer(max_python, "compress", batch, keys, dtype, threads) as peer:
+        ours, peers = _time_with_peers(call, peer, copy=copy_peer(nbytes))
     return BenchRow("qsa_compress_keys_paged", f"B={batch} keys={keys}-b D=128 R=4 rot=64 page=128",
-                    DTYPE_NAMES[dtype], "cpu", ours, nbytes, peers)
+                    DTYPE_NAMES[dtype], "cpu", ours, nbytes, peers, _max_note(peer, peers))
 
 
 def bench_block_score(batch: int, keys: int, rows_per_seq: int, dtype: torch.dtype,
@@ -126,14 +153,13 @@ def bench_block_score(batch: int, keys: int, rows_per_seq: int, dtype: torch.dty
     nbytes = q.numel() * q.element_size() + batch * visible * HEAD_DIM * block_keys.element_size() + out.numel() * 4
     seen = ((positions.long() + 1) // RATIO).clamp(0, max_blocks)  # blocks each row scores
     peak = tile_peak_peer({dtype: int(seen.sum()) * INDEX_HEADS * HEAD_DIM})
-    ours, peers = _time_with_peers(call, copy=copy_peer(nbytes), peak=peak)
-    if rows_per_seq == ROWS_PER_SEQUENCE:  # the shape max_peer.py runs
-        max_ms = max_peer_ms(max_python, "block_score", batch, keys, dtype, threads)
-        if max_ms is not None:
-            peers["max"] = max_ms
+    if rows_per_seq != ROWS_PER_SEQUENCE:  # max_peer.py runs the decode shape only
+        max_python = None
+    with max_peer(max_python, "block_score", batch, keys, dtype, threads) as peer:
+        ours, peers = _time_with_peers(call, peer, copy=copy_peer(nbytes), peak=peak)
     kind = "decode" if rows_per_seq <= ROWS_PER_SEQUENCE else "prefill chunk"
     return BenchRow("qsa_block_score", f"{kind}: B={batch} rows={rows_per_seq}/seq heads=4 blocks={max_blocks}",
-                    DTYPE_NAMES[dtype], "cpu", ours, nbytes, peers)
+                    DTYPE_NAMES[dtype], "cpu", ours, nbytes, peers, _max_note(peer, peers))
 
 
 def bench_select(batch: int, keys: int) -> BenchRow:
@@ -196,27 +222,41 @@ def bench_sparse_attention(batch: int, cached: int, dtype: torch.dtype) -> Bench
                     ours, nbytes, peers, note)
 
 
-def run(quick: bool = False, max_python: str | None = None, threads: int | None = None) -> list[BenchRow]:
+OPS = ("compress", "block_score", "select", "sparse_attention")
+
+
+def run(quick: bool = False, max_python: str | None = None, threads: int | None = None,
+        ops: tuple[str, ...] | list[str] | None = None) -> list[BenchRow]:
     """All QSA rows; ``quick`` keeps one small shape per op (seconds, for smoke tests).
 
-    ``threads`` sets torch's and numba's thread counts (and MAX's) for the whole run.
+    Compress and decode block score run at 8k, 32k and 128k keys (1024 with ``quick``). ``threads``
+    sets torch's and numba's thread counts (and MAX's) for the whole run. ``ops``, when given, keeps the
+    rows of those ops only (names from ``OPS``).
     """
+    ops = OPS if ops is None else tuple(ops)
+    unknown = [op for op in ops if op not in OPS]
+    if unknown:
+        raise ValueError(f"ops: expected names from {OPS}, got {unknown}")
     if threads:
         import numba
 
         torch.set_num_threads(threads)
         numba.set_num_threads(threads)
     dtypes = [torch.bfloat16] if quick else [torch.bfloat16, torch.float32]
-    key_sizes = [1024] if quick else [8192, 32768]
+    key_sizes = [1024] if quick else [8192, 32768, 131072]
     rows: list[BenchRow] = []
-    for dtype in dtypes:
-        for keys in key_sizes:
-            rows.append(bench_compress(4, keys, dtype, max_python, threads))
-    for dtype in dtypes:
-        for keys in key_sizes:
-            rows.append(bench_block_score(4, keys, ROWS_PER_SEQUENCE, dtype, max_python, threads))
-        rows.append(bench_block_score(1, key_sizes[0], 64 if quick else 512, dtype, None))
-    rows.append(bench_select(4, key_sizes[-1]))
-    for dtype in dtypes:
-        rows.append(bench_sparse_attention(4 if not quick else 1, 4096 if quick else 32768, dtype))
+    if "compress" in ops:
+        for dtype in dtypes:
+            for keys in key_sizes:
+                rows.append(bench_compress(4, keys, dtype, max_python, threads))
+    if "block_score" in ops:
+        for dtype in dtypes:
+            for keys in key_sizes:
+                rows.append(bench_block_score(4, keys, ROWS_PER_SEQUENCE, dtype, max_python, threads))
+            rows.append(bench_block_score(1, key_sizes[0], 64 if quick else 512, dtype, None))
+    if "select" in ops:
+        rows.append(bench_select(4, 1024 if quick else 32768))
+    if "sparse_attention" in ops:
+        for dtype in dtypes:
+            rows.append(bench_sparse_attention(4 if not quick else 1, 4096 if quick else 32768, dtype))
     return rows
