@@ -189,18 +189,28 @@ class ContentionPolicy:
 
 
 def cores_taken_now(threads: int) -> bool | None:
-    """Whether the tasks runnable right now elsewhere leave fewer than ``threads`` of this process's CPUs
-    free (Linux: ``/proc/loadavg``'s running count, less the calling thread); ``None`` where unknown.
+    """Whether the tasks of other processes runnable right now leave fewer than ``threads`` of this
+    process's CPUs free; ``None`` where that cannot be read.
 
-    Reading it costs about 20 us, so the policy asks only to confirm a region
-    that looked contended."""
+    Linux: ``/proc/loadavg``'s count of runnable tasks, less this process's own
+    runnable threads (``/proc/self/task/*/stat``; torch's OpenMP workers may
+    still be spinning). Reading it costs about 0.1 ms, so the policy asks only
+    to confirm a region that looked contended.
+    """
     try:
         with open("/proc/loadavg", "rb") as file:
             running = int(file.read().split()[3].split(b"/")[0])
         cpus = len(os.sched_getaffinity(0))
+        own = 0
+        for task in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{task}/stat", "rb") as file:
+                    own += file.read().rpartition(b")")[2].split(None, 1)[0] == b"R"
+            except OSError:  # the thread ended meanwhile
+                continue
     except (OSError, ValueError, IndexError, AttributeError):
         return None
-    return (running - 1) + threads > cpus
+    return max(running - own, 0) + threads > cpus
 
 
 CONTENTION = ContentionPolicy(torch_threads=True, cores_taken=cores_taken_now)
