@@ -91,6 +91,31 @@ def test_busy_processes_run_for_the_block_and_are_stopped_after(fail):
     assert "load: 2 busy processes" in format_table([], load)
 
 
+def test_busy_processes_end_with_a_benchmark_killed_by_a_signal():
+    """SIGKILL skips the cleanup; the busy processes notice their parent is gone and exit."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    program = ("from sparsekv.bench.common import busy_processes\n"
+               "with busy_processes(1, settle_s=0.0) as load:\n"
+               "    print(load.pids[0], flush=True)\n"
+               "    input()\n")
+    parent = subprocess.Popen([sys.executable, "-c", program], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        busy = int(parent.stdout.readline())
+        assert _alive(busy)
+    finally:
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+    deadline = time.monotonic() + 10
+    while _alive(busy) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(busy)
+
+
 def test_busy_processes_rejects_a_negative_count():
     from sparsekv.bench.common import busy_processes
 

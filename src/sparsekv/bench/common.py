@@ -33,8 +33,10 @@ from ..kernels.cpu._parallel import numba_threads
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 PAGE_SIZE = 128  # tokens per page of the benchmarks' caches
 
-BUSY_LOOP = "while True: pass"
-"""The program each competing process runs: one core's worth of pure computation."""
+BUSY_LOOP = "import os\nwhile os.getppid() == {parent}: pass"
+"""The program each competing process runs (``{parent}``: the benchmark's process id): one core's worth
+of pure computation, until that parent exits (a benchmark killed by a signal, whose cleanup never
+runs, leaves no busy process behind)."""
 
 
 @dataclass
@@ -179,7 +181,7 @@ class LoadReport:
 
     def describe(self) -> str:
         after = f"{self.load_after:.2f}" if self.load_after is not None else "?"
-        return (f"load: {self.busy} busy process{'es' if self.busy != 1 else ''} ({BUSY_LOOP!r}) for the run; "
+        return (f"load: {self.busy} busy process{'es' if self.busy != 1 else ''} (a busy loop) for the run; "
                 f"1-minute load average {self.load_before:.2f} before, {after} after, on {os.cpu_count()} CPUs")
 
     def to_dict(self) -> dict:
@@ -200,7 +202,8 @@ def busy_processes(count: int, *, settle_s: float = 0.3) -> Iterator[LoadReport]
     processes: list[subprocess.Popen] = []
     try:
         for _ in range(count):
-            processes.append(subprocess.Popen([sys.executable, "-c", BUSY_LOOP], stdin=subprocess.DEVNULL,
+            program = BUSY_LOOP.format(parent=os.getpid())
+            processes.append(subprocess.Popen([sys.executable, "-c", program], stdin=subprocess.DEVNULL,
                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
             report.pids.append(processes[-1].pid)
         if processes:
