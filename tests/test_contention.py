@@ -170,6 +170,16 @@ def test_low_ratio_is_confirmed_by_the_cores_taken(taken, contended):
     assert asked == [2]
 
 
+def test_cores_free_answer_is_trusted_for_a_while():
+    asked = []
+    policy = ContentionPolicy(cores_taken=lambda threads: asked.append(threads) or False, confirm_ttl=0.05)
+    for now in (0.0, 0.01, 0.04):
+        policy.record(2, wall=0.010, cpu=0.011, now=now)
+    assert asked == [2] and policy.allow_parallel(0.04)
+    policy.record(2, wall=0.010, cpu=0.011, now=0.06)
+    assert asked == [2, 2]
+
+
 def test_cores_taken_now_counts_runnable_tasks():
     taken = _parallel.cores_taken_now(1)
     assert taken in (True, False, None)

@@ -108,20 +108,22 @@ class ContentionPolicy:
     ``first_backoff * 2**max_level`` seconds. Counting calls as well as
     seconds keeps rare calls (seconds apart) from being a try each. Regions
     shorter than ``min_wall`` are not judged (kernel dispatch is serial and
-    weighs on them), but they follow the decision. The 2 ms default: on an
-    idle 2-core machine, judging regions from 0.2 ms on found 8-10 of the
-    default demo's regions "contended" and made it 25-45% slower than with no
-    policy (8.5-10.1 s against 6.5-7.1 s); from 2 ms on, 7.1-8.2 s, still
-    keeping the demo with one busy process beside it at 10.2 s (18.3 s with
-    no policy). A contended region waits about a scheduler slice (~24 ms), so
-    a 2 ms floor still sees it.
+    weighs on them), but they follow the decision.
 
     A region can also run below the threshold on an idle machine, when its
     work splits unevenly over the threads (fewer tasks than threads, one
-    long task). ``cores_taken(threads)``, when given, confirms a low ratio:
-    ``False`` (the other runnable tasks leave ``threads`` cores free) keeps
-    the threads, ``True`` or ``None`` (unknown) falls back.
+    long task), or, when it is short, when waking the workers takes a good
+    part of it. ``cores_taken(threads)``, when given, confirms a low ratio:
+    ``False`` (the runnable tasks of other processes leave ``threads`` cores
+    free) keeps the threads, and is trusted for ``confirm_ttl`` seconds
+    without asking again; ``True`` or ``None`` (unknown) falls back.
     :func:`cores_taken_now` reads the machine's runnable-task count.
+    Without a confirmation the ratio alone decides, and regions shorter than
+    2 ms (the default ``min_wall``) are not judged: on an idle 2-core machine,
+    judging from 0.2 ms on found 8-10 of the default demo's regions
+    "contended" and made it 25-45% slower than with no policy. With it,
+    :data:`CONTENTION` judges from 0.2 ms on, so that a process whose kernels
+    are all short (a decode step's block score) also falls back.
 
     With ``torch_threads``, torch's intra-op threads follow the same
     decision: set to one when a region is judged contended, given back (when
@@ -135,9 +137,11 @@ class ContentionPolicy:
 
     def __init__(self, *, min_share: float = 0.3, min_wall: float = 2e-3, first_backoff: float = 0.1,
                  first_calls: int = 2, max_level: int = 5, torch_threads: bool = False,
-                 cores_taken: Callable[[int], bool | None] | None = None) -> None:
+                 cores_taken: Callable[[int], bool | None] | None = None, confirm_ttl: float = 0.05) -> None:
         self.min_share = min_share
         self.cores_taken = cores_taken
+        self.confirm_ttl = confirm_ttl
+        self.cores_free_until = float("-inf")
         self.min_wall = min_wall
         self.first_backoff = first_backoff
         self.first_calls = first_calls
@@ -162,8 +166,7 @@ class ContentionPolicy:
         process's CPU time and ended at ``now``."""
         if threads < 2 or wall < self.min_wall:
             return
-        if cpu < wall * (1.0 + (threads - 1) * self.min_share) and (
-                self.cores_taken is None or self.cores_taken(threads) is not False):
+        if cpu < wall * (1.0 + (threads - 1) * self.min_share) and self._confirmed(threads, now):
             self.contended_regions += 1
             self.serial_until = now + self.first_backoff * 2**self.level
             self.serial_calls = self.first_calls * 2**self.level
@@ -175,10 +178,21 @@ class ContentionPolicy:
             self.level = max(self.level - 1, 0)
             self._give_back_torch_threads()
 
+    def _confirmed(self, threads: int, now: float) -> bool:
+        """Whether a region that ran below the threshold was contended (see ``cores_taken``)."""
+        if self.cores_taken is None:
+            return True
+        if now < self.cores_free_until:
+            return False
+        if self.cores_taken(threads) is False:
+            self.cores_free_until = now + self.confirm_ttl
+            return False
+        return True
+
     def reset(self) -> None:
         """Forget what was seen: the next region may use every thread (and torch its threads)."""
         self.level = self.serial_calls = 0
-        self.serial_until = float("-inf")
+        self.serial_until = self.cores_free_until = float("-inf")
         self._give_back_torch_threads()
 
     def _give_back_torch_threads(self) -> None:
@@ -188,32 +202,48 @@ class ContentionPolicy:
             self.saved_torch_threads = None
 
 
-def cores_taken_now(threads: int) -> bool | None:
-    """Whether the tasks of other processes runnable right now leave fewer than ``threads`` of this
-    process's CPUs free; ``None`` where that cannot be read.
+def _runnable_elsewhere() -> int:
+    """Runnable tasks of other processes right now (Linux: ``/proc/loadavg``'s count, less this
+    process's own runnable threads: torch's OpenMP workers may still be spinning).
 
-    Linux: ``/proc/loadavg``'s count of runnable tasks, less this process's own
-    runnable threads (``/proc/self/task/*/stat``; torch's OpenMP workers may
-    still be spinning). Reading it costs about 0.1 ms, so the policy asks only
-    to confirm a region that looked contended.
+    Our threads are read first: a worker that goes to sleep between the two
+    reads is then left out of both counts rather than counted as another
+    process's task.
+    """
+    own = 0
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/stat", "rb") as file:
+                own += file.read().rpartition(b")")[2].split(None, 1)[0] == b"R"
+        except OSError:  # the thread ended meanwhile
+            continue
+    with open("/proc/loadavg", "rb") as file:
+        running = int(file.read().split()[3].split(b"/")[0])
+    return max(running - own, 0)
+
+
+def cores_taken_now(threads: int, samples: int = 3, interval: float = 5e-4) -> bool | None:
+    """Whether the runnable tasks of other processes leave fewer than ``threads`` of this process's
+    CPUs free, in each of ``samples`` readings ``interval`` seconds apart (a kernel thread that runs
+    for a moment is not a competitor); ``None`` where that cannot be read (not Linux).
+
+    A reading costs about 0.1 ms, and the readings stop at the first that
+    finds the cores free, so the policy asks only to confirm a region that
+    looked contended.
     """
     try:
-        with open("/proc/loadavg", "rb") as file:
-            running = int(file.read().split()[3].split(b"/")[0])
         cpus = len(os.sched_getaffinity(0))
-        own = 0
-        for task in os.listdir("/proc/self/task"):
-            try:
-                with open(f"/proc/self/task/{task}/stat", "rb") as file:
-                    own += file.read().rpartition(b")")[2].split(None, 1)[0] == b"R"
-            except OSError:  # the thread ended meanwhile
-                continue
+        for sample in range(samples):
+            if sample:
+                time.sleep(interval)
+            if _runnable_elsewhere() + threads <= cpus:
+                return False
+        return True
     except (OSError, ValueError, IndexError, AttributeError):
         return None
-    return max(running - own, 0) + threads > cpus
 
 
-CONTENTION = ContentionPolicy(torch_threads=True, cores_taken=cores_taken_now)
+CONTENTION = ContentionPolicy(torch_threads=True, cores_taken=cores_taken_now, min_wall=2e-4)
 """The process-wide policy every :func:`numba_threads` block follows, torch's threads included:
 contention is a property of the machine, so what one kernel sees applies to all."""
 
