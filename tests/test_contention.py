@@ -184,3 +184,20 @@ def test_cores_taken_now_counts_runnable_tasks():
     taken = _parallel.cores_taken_now(1)
     assert taken in (True, False, None)
     assert _parallel.cores_taken_now(1 << 20) in (True, None)  # more threads than any machine has cores
+
+
+@pytest.mark.parametrize(("taken", "tries"), [(True, False), (None, True), (False, True)])
+def test_a_try_waits_while_other_processes_take_the_cores(taken, tries):
+    """When the backoff has passed, a machine still busy (confirmed) gets another backoff instead of a try."""
+    asked, answer = [], [True]
+    policy = ContentionPolicy(first_backoff=0.1, first_calls=2,
+                              cores_taken=lambda threads: asked.append(threads) or answer[0])
+    policy.record(2, wall=0.050, cpu=0.022, now=1.0)  # confirmed: contended
+    asked.clear()
+    answer[0] = taken
+    assert not policy.allow_parallel(1.05, 3) and not policy.allow_parallel(1.06, 3)  # backoff: not asked
+    assert asked == []
+    assert policy.allow_parallel(1.2, 3) is tries
+    assert asked == [3]
+    if not tries:
+        assert policy.level == 1 and policy.serial_until == pytest.approx(1.2 + 0.2)

@@ -6,7 +6,8 @@ allocates them; one sequence with ``cached`` tokens and one new token, whose
 query row selects 2048 distinct positions (the DSA indexer's ``topk``).
 
 Every row times the public op (``SPARSEKV_BACKEND=auto``: the CPU path) and,
-in the same run, its peers: the reference backend (``reference``), dense
+in the same run, its peers: the same op on one thread (``1thread``), the
+reference backend (``reference``), dense
 absorbed MLA over the whole history in torch's fastest forms on a contiguous
 copy of the latent rows (``dense``: ``softmax(q_lat @ latent.T * scale) @
 latent[:, :512]`` in the cache dtype; ``sdpa``: the same through
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 
 from ..cache.layout import PagedKVCacheCollection
 from ..ops.mla import mla_sparse_attention_paged
-from .common import DTYPE_NAMES, PAGE_SIZE, BenchRow, backend, random_paged_blocks, time_interleaved
+from .common import DTYPE_NAMES, PAGE_SIZE, BenchRow, backend, one_thread, random_paged_blocks, time_interleaved
 from .peak import tile_peak_peer
 
 KV_LORA_RANK, ROPE_DIM, TOPK = 512, 64, 2048
@@ -83,7 +84,7 @@ def _decode_case(cached: int, heads: int, dtype: torch.dtype):
 def bench_decode(cached: int, heads: int, dtype: torch.dtype) -> BenchRow:
     """Our median time and the peers', interleaved (:func:`.common.time_interleaved`)."""
     call, peers, nbytes, shape = _decode_case(cached, heads, dtype)
-    times = time_interleaved({"ours": call, **peers})
+    times = time_interleaved({"ours": call, "1thread": one_thread(call), **peers})
     return BenchRow("mla_sparse_attention_paged", shape, DTYPE_NAMES[dtype], "cpu", times.pop("ours"), nbytes,
                     times)
 

@@ -153,13 +153,26 @@ class ContentionPolicy:
         self.serial_calls = 0
         self.contended_regions = 0
 
-    def allow_parallel(self, now: float) -> bool:
-        """Whether a region starting at ``now`` (``time.perf_counter()`` seconds) may use several threads;
-        a call declined counts towards the next try."""
+    def allow_parallel(self, now: float, threads: int = 2) -> bool:
+        """Whether a region starting at ``now`` (``time.perf_counter()`` seconds) may use ``threads``
+        threads; a call declined counts towards the next try.
+
+        When a backoff has passed, ``cores_taken`` (if given) is asked first:
+        while other processes still take the cores, the policy stays on one
+        thread for another backoff at the same level instead of trying, since
+        a failed try costs up to a scheduler slice.
+        """
         if now >= self.serial_until and self.serial_calls <= 0:
-            return True
+            if self.level == 0 or self.cores_taken is None or not self.cores_taken(threads):
+                return True
+            self._back_off(now)
         self.serial_calls -= 1
         return False
+
+    def _back_off(self, now: float) -> None:
+        """Stay on one thread for ``first_backoff * 2**level`` seconds and ``first_calls * 2**level`` calls."""
+        self.serial_until = now + self.first_backoff * 2**self.level
+        self.serial_calls = self.first_calls * 2**self.level
 
     def record(self, threads: int, wall: float, cpu: float, now: float) -> None:
         """Judge a region that ran on ``threads`` threads for ``wall`` seconds using ``cpu`` seconds of the
@@ -168,8 +181,7 @@ class ContentionPolicy:
             return
         if cpu < wall * (1.0 + (threads - 1) * self.min_share) and self._confirmed(threads, now):
             self.contended_regions += 1
-            self.serial_until = now + self.first_backoff * 2**self.level
-            self.serial_calls = self.first_calls * 2**self.level
+            self._back_off(now)
             self.level = min(self.level + 1, self.max_level)
             if self.torch_threads and self.saved_torch_threads is None and torch.get_num_threads() > 1:
                 self.saved_torch_threads = torch.get_num_threads()
@@ -263,7 +275,7 @@ class numba_threads:  # noqa: N801 - used like a function: ``with numba_threads(
     def __enter__(self) -> None:
         self.available = available = numba.get_num_threads()
         count = max(1, min(available, self.requested))
-        if count > 1 and not CONTENTION.allow_parallel(time.perf_counter()):
+        if count > 1 and not CONTENTION.allow_parallel(time.perf_counter(), count):
             count = 1
         self.threads = count
         if count != available:
