@@ -430,6 +430,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def load_case(args: argparse.Namespace):
+    """The inputs and the compiled MAX model of ``args``' op and shape: ``(case, model, compile_s)``.
+
+    MAX sizes its worker pool from the CPUs the process may use, so ``--threads``
+    pins the process first. (Its own knob, ``InferenceSession(num_threads=...)``,
+    aborts the process in 26.7: "getOrCreateCPUDevice called requesting
+    different options".) torch gets the same count for the ``--check`` reference.
+    """
+    dtype = TORCH_DTYPES[args.dtype]
+    if args.threads is not None:
+        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[: args.threads])
+        torch.set_num_threads(args.threads)
+    session = InferenceSession(devices=[CPU()])
+    make_case = make_compress_case if args.op == "compress" else make_block_score_case
+    case = make_case(args.batch, args.keys, dtype, args.seed)
+    graph = build_graph(args.op, args.batch, args.keys, dtype, case.input_types)
+    started = time.perf_counter()
+    model = session.load(graph)
+    return case, model, time.perf_counter() - started
+
+
 def serve(args: argparse.Namespace) -> int:
     """``--serve``: build the case once, then answer timing requests (``sparsekv.bench.remote``)."""
     from sparsekv.bench.remote import serve as serve_requests
@@ -444,17 +465,7 @@ def serve(args: argparse.Namespace) -> int:
         protocol.flush()
 
     try:
-        dtype = TORCH_DTYPES[args.dtype]
-        if args.threads is not None:
-            os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[: args.threads])
-            torch.set_num_threads(args.threads)
-        session = InferenceSession(devices=[CPU()])
-        make_case = make_compress_case if args.op == "compress" else make_block_score_case
-        case = make_case(args.batch, args.keys, dtype, args.seed)
-        graph = build_graph(args.op, args.batch, args.keys, dtype, case.input_types)
-        started = time.perf_counter()
-        model = session.load(graph)
-        compile_s = time.perf_counter() - started
+        case, model, compile_s = load_case(args)
         for _ in range(2):
             model.execute(*case.max_args)
     except Exception as exc:
@@ -476,20 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.serve:
         return serve(args)
-    dtype = TORCH_DTYPES[args.dtype]
-    # MAX sizes its worker pool from the CPUs the process may use. (Its own knob,
-    # InferenceSession(num_threads=...), aborts the process in 26.7: "getOrCreateCPUDevice
-    # called requesting different options".)
-    if args.threads is not None:
-        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[: args.threads])
-        torch.set_num_threads(args.threads)  # the --check reference
-    session = InferenceSession(devices=[CPU()])
-    make_case = make_compress_case if args.op == "compress" else make_block_score_case
-    case = make_case(args.batch, args.keys, dtype, args.seed)
-    graph = build_graph(args.op, args.batch, args.keys, dtype, case.input_types)
-    started = time.perf_counter()
-    model = session.load(graph)
-    compile_s = time.perf_counter() - started
+    case, model, compile_s = load_case(args)
 
     outputs: list = []
 

@@ -10,6 +10,7 @@ import textwrap
 
 import pytest
 
+from script_support import alive
 from sparsekv.bench.common import SelfTimedPeer, time_interleaved
 from sparsekv.bench.remote import (RemotePeer, RemotePeerError, parse_reply, parse_request, reply_line,
                                    request_line, serve)
@@ -27,14 +28,6 @@ FAKE_SERVER = textwrap.dedent("""
         calls = json.loads(line)["calls"]
         print(json.dumps({"calls": calls, "seconds": 0.0005 * calls}), flush=True)
 """)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def _fake_peer(**env: str) -> RemotePeer:
@@ -97,7 +90,7 @@ def test_remote_peer_takes_its_turn_in_the_rounds_and_stops_after():
         assert peer.time_calls(4, warmup=1) == pytest.approx(0.002)
         times = time_interleaved({"local": lambda: None, "remote": peer}, rounds=3)
     assert times["remote"] == pytest.approx(0.5)  # ms per call, by the server's own clock
-    assert not _alive(pid)
+    assert not alive(pid)
 
 
 def test_remote_peer_failures_name_the_cause_and_leave_no_process():
@@ -110,7 +103,7 @@ def test_remote_peer_failures_name_the_cause_and_leave_no_process():
             peer.time_calls(1)
     finally:
         peer.close()
-    assert not _alive(peer.process.pid)
+    assert not alive(peer.process.pid)
 
 
 def test_a_self_timed_peer_reports_its_own_time():

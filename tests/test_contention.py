@@ -8,6 +8,7 @@ import contextlib
 import numba
 import pytest
 
+from script_support import alive
 from sparsekv.kernels.cpu import _parallel
 from sparsekv.kernels.cpu._parallel import ContentionPolicy, numba_threads, threads_for
 
@@ -67,15 +68,6 @@ def test_numba_threads_follows_the_policy(monkeypatch):
     assert policy.allow_parallel(0.0)
 
 
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` is a live (not zombie) process."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 @pytest.mark.parametrize("fail", [False, True])
 def test_busy_processes_run_for_the_block_and_are_stopped_after(fail):
     from sparsekv.bench.common import busy_processes, format_table
@@ -83,10 +75,10 @@ def test_busy_processes_run_for_the_block_and_are_stopped_after(fail):
     with pytest.raises(KeyboardInterrupt) if fail else contextlib.nullcontext():
         with busy_processes(2, settle_s=0.0) as load:
             pids = list(load.pids)
-            assert len(pids) == 2 and all(_alive(pid) for pid in pids)
+            assert len(pids) == 2 and all(alive(pid) for pid in pids)
             if fail:
                 raise KeyboardInterrupt
-    assert not any(_alive(pid) for pid in pids)
+    assert not any(alive(pid) for pid in pids)
     assert load.load_after is not None
     assert "load: 2 busy processes" in format_table([], load)
 
@@ -106,14 +98,14 @@ def test_busy_processes_end_with_a_benchmark_killed_by_a_signal():
                               text=True)
     try:
         busy = int(parent.stdout.readline())
-        assert _alive(busy)
+        assert alive(busy)
     finally:
         parent.send_signal(signal.SIGKILL)
         parent.wait()
     deadline = time.monotonic() + 10
-    while _alive(busy) and time.monotonic() < deadline:
+    while alive(busy) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _alive(busy)
+    assert not alive(busy)
 
 
 def test_busy_processes_rejects_a_negative_count():

@@ -10,21 +10,15 @@ import importlib.util
 import io
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
+import script_support
 from sparsekv.bench.manager import MaxManagerPeer, parse_peer_response, peer_request_line
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "max_manager_peer.py"
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("max_manager_peer", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the script loads
-    spec.loader.exec_module(module)
-    return module
+    return script_support.load_script("max_manager_peer")
 
 
 def test_requests_and_answers_round_trip():
@@ -75,5 +69,5 @@ def test_serve_answers_every_line_and_goes_on_after_an_error():
 @pytest.mark.skipif(importlib.util.find_spec("max") is not None, reason="MAX is importable here")
 def test_a_peer_without_max_fails_with_its_exit_status(capfd):
     with pytest.raises(RuntimeError, match="MAX manager peer exited with status 1"):
-        MaxManagerPeer(sys.executable, SCRIPT)
+        MaxManagerPeer(sys.executable, script_support.BENCHMARKS / "max_manager_peer.py")
     assert "Modular MAX is not importable here" in capfd.readouterr().err

@@ -2,28 +2,21 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+import script_support
 from triton_support import require_triton
 
 pytestmark = pytest.mark.triton
 require_triton()
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
-
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the script loads
-    spec.loader.exec_module(module)
-    return module
+    return script_support.load_script("gpu_check")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter smoke run is for CPU-only machines")
