@@ -1,6 +1,6 @@
 """k-pool compress and decode score at GLM-5.3 shapes, next to the reference and a torch copy.
 
-    python benchmarks/bench_kpool.py [--quick] [--json FILE] [--contention N] [--threads N]
+    python benchmarks/bench_kpool.py [--quick] [--json FILE] [--contention N] [--threads N] [--threads-check]
 """
 
 import argparse
@@ -19,12 +19,14 @@ if __name__ == "__main__":
     parser.add_argument("--contention", type=int, default=0, metavar="N",
                         help="run with N busy processes competing for the CPUs (stopped at the end)")
     parser.add_argument("--threads", type=int, help="torch and numba threads (default: as configured)")
+    parser.add_argument("--threads-check", action="store_true",
+                        help="ours and the 1thread peer only, 40 rounds: the check that threads never hurt")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
         numba.set_num_threads(args.threads)
     with busy_processes(args.contention) as load:
-        rows = kpool.run(quick=args.quick)
+        rows = kpool.run(quick=args.quick, check_threads=args.threads_check)
     print(format_table(rows, load))
     for row in rows:
         if row.note:

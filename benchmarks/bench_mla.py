@@ -1,6 +1,7 @@
 """Sparse MLA attention decode at GLM-5 shapes next to the reference, dense MLA and the tile's peak.
 
     python benchmarks/bench_mla.py [--quick] [--json FILE] [--contention N] [--threads N] [--best-of N]
+                                   [--threads-check]
 """
 
 import argparse
@@ -21,12 +22,14 @@ if __name__ == "__main__":
     parser.add_argument("--threads", type=int, help="torch and numba threads (default: as configured)")
     parser.add_argument("--best-of", type=int, default=0, metavar="N",
                         help="the fastest of N back-to-back calls of ours, the reference and the peak peer")
+    parser.add_argument("--threads-check", action="store_true",
+                        help="ours and the 1thread peer only, 40 rounds: the check that threads never hurt")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
         numba.set_num_threads(args.threads)
     with busy_processes(args.contention) as load:
-        rows = mla.run(quick=args.quick, best_of=args.best_of)
+        rows = mla.run(quick=args.quick, best_of=args.best_of, check_threads=args.threads_check)
     print(format_table(rows, load))
     if args.json:
         args.json.write_text(rows_to_json(rows, load))

@@ -455,7 +455,7 @@ def test_bench_quick_mla_times_every_peer(capsys, tmp_path):
     assert "xdense" in capsys.readouterr().out.splitlines()[0].split()
     rows = json.loads(out_json.read_text())
     assert [row["op"] for row in rows] == ["mla_sparse_attention_paged"]
-    assert rows[0]["time_ms"] > 0 and set(rows[0]["peers_ms"]) == {"reference", "dense", "sdpa", "peak"}
+    assert rows[0]["time_ms"] > 0 and set(rows[0]["peers_ms"]) == {"1thread", "reference", "dense", "sdpa", "peak"}
 
 
 def test_demo_tensor_parallel_check(capsys, small_configs):

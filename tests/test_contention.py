@@ -193,3 +193,13 @@ def test_a_try_waits_while_other_processes_take_the_cores(taken, tries):
     assert asked == [3]
     if not tries:
         assert policy.level == 1 and policy.serial_until == pytest.approx(1.2 + 0.2)
+
+
+def test_threads_check_times_ours_against_one_thread_only():
+    """``--threads-check``: every row of the QSA, k-pool and MLA benchmarks has the 1thread peer alone."""
+    from sparsekv.bench import kpool, mla, qsa
+
+    rows = (qsa.run(quick=True, ops=["compress", "sparse_attention"], threads_check=True)
+            + kpool.run(quick=True, check_threads=True) + mla.run(quick=True, check_threads=True))
+    assert len(rows) == 5  # QSA: 1 compress, 1 attention; k-pool: compress, score; MLA: 1
+    assert all(set(row.peers_ms) == {"1thread"} and row.time_ms > 0 for row in rows)

@@ -154,6 +154,17 @@ def time_interleaved(calls: dict[str, Callable[[], object]], *, rounds: int = 9,
     return {name: statistics.median(times) for name, times in samples.items()}
 
 
+THREADS_CHECK_ROUNDS = 40
+"""Rounds of a threads check: ours against :func:`one_thread` alone (``--threads-check``). Other peers in the
+rounds, another process's threads above all, disturb a comparison of two calls of a millisecond."""
+
+
+def threads_check(call: Callable[[], object]) -> tuple[float, dict[str, float]]:
+    """Our median time (ms) and the ``1thread`` peer's, in :data:`THREADS_CHECK_ROUNDS` interleaved rounds."""
+    times = time_interleaved({"ours": call, "1thread": one_thread(call)}, rounds=THREADS_CHECK_ROUNDS)
+    return times.pop("ours"), times
+
+
 def one_thread(fn: Callable[[], object]) -> Callable[[], object]:
     """``fn`` with numba and torch on one thread: the same-run single-thread peer (``1thread``)."""
 

@@ -22,7 +22,7 @@ import torch
 from ..cache.pooled import make_pooled_collection
 from ..kernels.reference import kpool as reference
 from ..ops.kpool import kpool_pool_row_offsets, mla_kpool_compress, mla_kpool_score
-from .common import DTYPE_NAMES, BenchRow, copy_peer, one_thread, time_interleaved
+from .common import DTYPE_NAMES, BenchRow, copy_peer, one_thread, threads_check, time_interleaved
 from .peak import tile_peak_peer
 
 HEAD_DIM, KPOOL, INDEX_HEADS, TOPK, PAGE_SIZE = 128, 4, 32, 2048, 64
@@ -39,7 +39,7 @@ def _agreement(ours: torch.Tensor, reference: torch.Tensor) -> str:
     return f"max error {float(err):.1e} of max |value|"
 
 
-def _compress_row(batch: int, tokens: int, dtype: torch.dtype, rounds: int) -> BenchRow:
+def _compress_row(batch: int, tokens: int, dtype: torch.dtype, rounds: int, check_threads: bool) -> BenchRow:
     gen = torch.Generator().manual_seed(0)
     total = batch * tokens
     k = torch.randn(total, HEAD_DIM, generator=gen).to(dtype)
@@ -54,6 +54,10 @@ def _compress_row(batch: int, tokens: int, dtype: torch.dtype, rounds: int) -> B
     def ours():
         mla_kpool_compress(k, gate, ape, offsets, pool_offsets, cache, kpool=KPOOL, out=out)
 
+    shape = f"B={batch} T={tokens} D={HEAD_DIM} kpool={KPOOL}"
+    if check_threads:
+        time_ms, peers = threads_check(ours)
+        return BenchRow("mla_kpool_compress", shape, DTYPE_NAMES[dtype], "cpu", time_ms, nbytes, peers)
     times = time_interleaved({
         "ours": ours,
         "1thread": one_thread(ours),
@@ -62,11 +66,11 @@ def _compress_row(batch: int, tokens: int, dtype: torch.dtype, rounds: int) -> B
         "copy": copy_peer(nbytes)}, rounds=rounds)
     agreement = _agreement(out, ref_out)
     ours = times.pop("ours")
-    return BenchRow("mla_kpool_compress", f"B={batch} T={tokens} D={HEAD_DIM} kpool={KPOOL}", DTYPE_NAMES[dtype],
-                    "cpu", ours, nbytes, times, note=f"vs reference: {agreement}")
+    return BenchRow("mla_kpool_compress", shape, DTYPE_NAMES[dtype], "cpu", ours, nbytes, times,
+                    note=f"vs reference: {agreement}")
 
 
-def _score_row(batch: int, tokens: int, dtype: torch.dtype, rounds: int) -> BenchRow:
+def _score_row(batch: int, tokens: int, dtype: torch.dtype, rounds: int, check_threads: bool) -> BenchRow:
     gen = torch.Generator().manual_seed(1)
     pools = tokens // KPOOL
     per_page = PAGE_SIZE // KPOOL
@@ -86,6 +90,10 @@ def _score_row(batch: int, tokens: int, dtype: torch.dtype, rounds: int) -> Benc
     def ours():
         mla_kpool_score(q, weights, cache, 0, positions, offsets, kpool=KPOOL, out=out)
 
+    shape = f"B={batch} decode t={tokens - 1} H={INDEX_HEADS} D={HEAD_DIM}"
+    if check_threads:
+        time_ms, peers = threads_check(ours)
+        return BenchRow("mla_kpool_score", shape, DTYPE_NAMES[dtype], "cpu", time_ms, nbytes, peers)
     times = time_interleaved({
         "ours": ours,
         "1thread": one_thread(ours),
@@ -95,12 +103,13 @@ def _score_row(batch: int, tokens: int, dtype: torch.dtype, rounds: int) -> Benc
         "peak": tile_peak_peer({dtype: batch * pools * INDEX_HEADS * HEAD_DIM})}, rounds=rounds)
     ours = times.pop("ours")
     err = float(((out - ref_out).abs().max() / ref_out.abs().max().clamp_min(1e-30)))
-    return BenchRow("mla_kpool_score", f"B={batch} decode t={tokens - 1} H={INDEX_HEADS} D={HEAD_DIM}",
-                    DTYPE_NAMES[dtype], "cpu", ours, nbytes, times, note=f"max rel err vs reference {err:.1e}")
+    return BenchRow("mla_kpool_score", shape, DTYPE_NAMES[dtype], "cpu", ours, nbytes, times,
+                    note=f"max rel err vs reference {err:.1e}")
 
 
-def run(quick: bool = False) -> list[BenchRow]:
-    """Compress and decode-score rows (quick: one small bf16 shape each)."""
+def run(quick: bool = False, check_threads: bool = False) -> list[BenchRow]:
+    """Compress and decode-score rows (quick: one small bf16 shape each); ``check_threads``: against the
+    same op on one thread only (:func:`.common.threads_check`)."""
     batch = 4
     lengths = [1024] if quick else [8192, 32768]
     dtypes = [torch.bfloat16] if quick else [torch.bfloat16, torch.float32]
@@ -109,5 +118,5 @@ def run(quick: bool = False) -> list[BenchRow]:
     for op in (_compress_row, _score_row):
         for dtype in dtypes:
             for tokens in lengths:
-                rows.append(op(batch, tokens, dtype, rounds))
+                rows.append(op(batch, tokens, dtype, rounds, check_threads))
     return rows

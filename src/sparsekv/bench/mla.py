@@ -29,7 +29,8 @@ import torch.nn.functional as F
 
 from ..cache.layout import PagedKVCacheCollection
 from ..ops.mla import mla_sparse_attention_paged
-from .common import DTYPE_NAMES, PAGE_SIZE, BenchRow, backend, one_thread, random_paged_blocks, time_interleaved
+from .common import (DTYPE_NAMES, PAGE_SIZE, BenchRow, backend, one_thread, random_paged_blocks, threads_check,
+                     time_interleaved)
 from .peak import tile_peak_peer
 
 KV_LORA_RANK, ROPE_DIM, TOPK = 512, 64, 2048
@@ -81,12 +82,16 @@ def _decode_case(cached: int, heads: int, dtype: torch.dtype):
     return call, peers, nbytes, f"decode cached={cached} topk={TOPK} heads={heads} D=512+64"
 
 
-def bench_decode(cached: int, heads: int, dtype: torch.dtype) -> BenchRow:
-    """Our median time and the peers', interleaved (:func:`.common.time_interleaved`)."""
+def bench_decode(cached: int, heads: int, dtype: torch.dtype, check_threads: bool = False) -> BenchRow:
+    """Our median time and the peers', interleaved (:func:`.common.time_interleaved`); ``check_threads``:
+    the ``1thread`` peer alone (:func:`.common.threads_check`)."""
     call, peers, nbytes, shape = _decode_case(cached, heads, dtype)
-    times = time_interleaved({"ours": call, "1thread": one_thread(call), **peers})
-    return BenchRow("mla_sparse_attention_paged", shape, DTYPE_NAMES[dtype], "cpu", times.pop("ours"), nbytes,
-                    times)
+    if check_threads:
+        ours, times = threads_check(call)
+    else:
+        times = time_interleaved({"ours": call, "1thread": one_thread(call), **peers})
+        ours = times.pop("ours")
+    return BenchRow("mla_sparse_attention_paged", shape, DTYPE_NAMES[dtype], "cpu", ours, nbytes, times)
 
 
 def best_of_decode(cached: int, heads: int, dtype: torch.dtype, calls: int) -> BenchRow:
@@ -106,12 +111,13 @@ def best_of_decode(cached: int, heads: int, dtype: torch.dtype, calls: int) -> B
                     note=f"best of {calls}")
 
 
-def run(quick: bool = False, best_of: int = 0) -> list[BenchRow]:
+def run(quick: bool = False, best_of: int = 0, check_threads: bool = False) -> list[BenchRow]:
     """Decode rows at 32k and 128k cached tokens, 64 and 128 heads, bf16 and fp32; ``quick``: one small row.
-    ``best_of > 0`` times each row with :func:`best_of_decode` instead."""
+    ``best_of > 0`` times each row with :func:`best_of_decode` instead; ``check_threads``: against the
+    same op on one thread only."""
     shapes = [(4096, 16, torch.bfloat16)] if quick else [
         (cached, heads, dtype) for dtype in (torch.bfloat16, torch.float32) for cached in (32768, 131072)
         for heads in (64, 128)]
     if best_of > 0:
         return [best_of_decode(cached, heads, dtype, best_of) for cached, heads, dtype in shapes]
-    return [bench_decode(cached, heads, dtype) for cached, heads, dtype in shapes]
+    return [bench_decode(cached, heads, dtype, check_threads) for cached, heads, dtype in shapes]
