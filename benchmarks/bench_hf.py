@@ -3,7 +3,7 @@
     python benchmarks/bench_hf.py [--family qwen4_exp|glm5_next|glm_moe_dsa|deepseek_v32]
                                   [--contexts 4096,16384] [--decode-steps 8] [--dtype fp32|bf16]
                                   [--impls eager,sdpa] [--eager-max-context N] [--hf-max-context N]
-                                  [--layers N] [--heads N] [--threads N] [--clock wall|cpu]
+                                  [--layers N] [--heads N] [--threads N] [--clock wall|cpu] [--contention N]
 
 A seeded model of ``--family`` with the published model's per-layer attention
 shapes but few and narrow layers (``--layers``, ``--heads``, hidden size 512,
@@ -51,7 +51,6 @@ take minutes unpatched. ``--impls ""`` times the patched model alone.
 from __future__ import annotations
 
 import argparse
-import os
 import tempfile
 import time
 from dataclasses import dataclass
@@ -62,6 +61,7 @@ import torch
 import transformers
 from transformers import DynamicCache
 
+from sparsekv.bench.common import busy_processes
 from sparsekv.integrations.transformers import end_generation, get_manager, patch_model
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -298,6 +298,8 @@ def main() -> None:
     parser.add_argument("--eager-max-context", type=int, help="skip eager above this (default: the family's)")
     parser.add_argument("--hf-max-context", type=int,
                         help="skip the unpatched model above this (default: the family's)")
+    parser.add_argument("--contention", type=int, default=0, metavar="N",
+                        help="run with N busy processes competing for the CPUs (stopped at the end)")
     parser.add_argument("--threads", type=int, help="torch and numba threads (default: their own)")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                         help="wall time, or the process's CPU time (with --threads 1: the work done, whatever "
@@ -315,7 +317,6 @@ def main() -> None:
     dtype = DTYPES[args.dtype]
     contexts = [int(c) for c in args.contexts.split(",")]
     impls = [name for name in args.impls.split(",") if name]
-    load_before = os.getloadavg()
 
     torch.manual_seed(args.seed)
     config = family.build_config(layers, heads)
@@ -340,25 +341,26 @@ def main() -> None:
 
     rows = []
     largest_logit = 0.0
-    for context in contexts:
-        gen = torch.Generator().manual_seed(args.seed + context)
-        ids = torch.randint(0, vocab, (args.batch, context), generator=gen)
-        steps = torch.randint(0, vocab, (args.batch, args.decode_steps), generator=gen)
-        ours = run_case(patched, timers["sparsekv"], ids, steps)
-        largest_logit = max(largest_logit, ours["logits"].abs().max().item())
-        for name, model in models.items():
-            peer = None
-            if context <= (eager_max if name == "eager" else hf_max):
-                peer = run_case(model, timers[name], ids, steps)
-            elif name == "eager" and context <= hf_max:  # eager decode steps after an sdpa prefill
-                peer = run_case(model, timers[name], ids, steps, prefill_impl="sdpa")
-            for phase in ("prefill", "decode"):
-                rows.append((context, phase, name, ours, peer))
-            if peer is not None:
-                ours["dlogit_" + name] = (peer["logits"] - ours["logits"]).abs().max().item()
-        if not models:
-            rows += [(context, phase, "-", ours, None) for phase in ("prefill", "decode")]
-        print(f"context {context}: done", flush=True)
+    with busy_processes(args.contention) as load:
+        for context in contexts:
+            gen = torch.Generator().manual_seed(args.seed + context)
+            ids = torch.randint(0, vocab, (args.batch, context), generator=gen)
+            steps = torch.randint(0, vocab, (args.batch, args.decode_steps), generator=gen)
+            ours = run_case(patched, timers["sparsekv"], ids, steps)
+            largest_logit = max(largest_logit, ours["logits"].abs().max().item())
+            for name, model in models.items():
+                peer = None
+                if context <= (eager_max if name == "eager" else hf_max):
+                    peer = run_case(model, timers[name], ids, steps)
+                elif name == "eager" and context <= hf_max:  # eager decode steps after an sdpa prefill
+                    peer = run_case(model, timers[name], ids, steps, prefill_impl="sdpa")
+                for phase in ("prefill", "decode"):
+                    rows.append((context, phase, name, ours, peer))
+                if peer is not None:
+                    ours["dlogit_" + name] = (peer["logits"] - ours["logits"]).abs().max().item()
+            if not models:
+                rows += [(context, phase, "-", ours, None) for phase in ("prefill", "decode")]
+            print(f"context {context}: done", flush=True)
 
     header = ("context", "phase", "peer", "peer ms", "peer attn ms", "sparsekv ms", "sparsekv attn ms",
               "x attn", "x model", "max|dlogit|")
@@ -386,7 +388,7 @@ def main() -> None:
     print(f"decode: ms per step over {args.decode_steps} steps after the prefill{limits}; largest |logit| "
           f"{largest_logit:.2f}")
     print(f"{args.clock} clock; torch threads {torch.get_num_threads()}, numba threads {numba.get_num_threads()}; "
-          f"load average before {load_before[0]:.1f}, after {os.getloadavg()[0]:.1f} (on {os.cpu_count()} CPUs)")
+          f"{load.describe()}")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ The all-reduce column is the stage timer's ``tp.all_reduce`` per step (one
 ``[batch, hidden]`` float32 all-reduce per layer). Run on a shared machine,
 the figures are only comparable within one run.
 
-    python benchmarks/bench_tp.py [--hidden 1024] [--batch 4] [--context 512] [--steps 20]
+    python benchmarks/bench_tp.py [--hidden 1024] [--batch 4] [--context 512] [--steps 20] [--contention N]
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from sparsekv.bench.common import busy_processes
 from sparsekv.cache.manager import PagedKVCacheManager
 from sparsekv.demo import StageTimer, seed_parameters
 from sparsekv.demo_tp import cache_groups, launch
@@ -97,13 +98,16 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--contention", type=int, default=0, metavar="N",
+                        help="run with N busy processes competing for the CPUs (stopped at the end)")
     args = parser.parse_args()
     case = Case(args.hidden, args.batch, args.context, args.steps)
     config = config_for(case.hidden)
     full = Qwen4ExpSlice(config, VOCAB)
     seed_parameters(full, 0)
     rows = []
-    with tempfile.TemporaryDirectory(prefix="sparsekv-bench-tp-") as checkpoint:
+    with tempfile.TemporaryDirectory(prefix="sparsekv-bench-tp-") as checkpoint, \
+            busy_processes(args.contention) as load:
         save_checkpoint(checkpoint, config, slice_state(full))
         for ranks, threads in ((1, 1), (1, 2), (2, 1)):
             results = launch(decode_rank, ranks, checkpoint, case, timeout_s=900, threads_per_rank=threads)
@@ -119,6 +123,7 @@ def main() -> None:
     for ranks, threads, step_s, all_reduce_s, kv_bytes in rows:
         print(f"{ranks:>3} {threads:>12} {step_s * 1e3:>9.2f} {all_reduce_s * 1e3:>14.3f} "
               f"{all_reduce_s / step_s:>6.1%} {kv_bytes / 2**20:>17.2f} {base / step_s:>13.2f}")
+    print(load.describe())
 
 
 if __name__ == "__main__":
