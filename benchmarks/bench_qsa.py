@@ -38,7 +38,7 @@ if __name__ == "__main__":
         parser.error(f"--only: expected ops from {','.join(qsa.OPS)}, got {','.join(args.only) or 'nothing'}")
     with busy_processes(args.contention) as load:
         rows = qsa.run(quick=args.quick, max_python=args.max_python, threads=args.threads, ops=args.only,
-                       threads_check=args.threads_check)
+                       check_threads=args.threads_check)
     print(format_table(rows, load))
     for row in rows:
         if row.note:

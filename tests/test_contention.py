@@ -199,7 +199,7 @@ def test_threads_check_times_ours_against_one_thread_only():
     """``--threads-check``: every row of the QSA, k-pool and MLA benchmarks has the 1thread peer alone."""
     from sparsekv.bench import kpool, mla, qsa
 
-    rows = (qsa.run(quick=True, ops=["compress", "sparse_attention"], threads_check=True)
+    rows = (qsa.run(quick=True, ops=["compress", "sparse_attention"], check_threads=True)
             + kpool.run(quick=True, check_threads=True) + mla.run(quick=True, check_threads=True))
     assert len(rows) == 5  # QSA: 1 compress, 1 attention; k-pool: compress, score; MLA: 1
     assert all(set(row.peers_ms) == {"1thread"} and row.time_ms > 0 for row in rows)

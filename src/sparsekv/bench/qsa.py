@@ -43,8 +43,7 @@ from ..cache.layout import PagedKVCacheCollection
 from ..numerics import rope_freqs_cis
 from ..ops.qsa import qsa_block_score, qsa_compress_keys_paged, qsa_select_tokens, qsa_sparse_attention_paged
 from .common import (DTYPE_NAMES, PAGE_SIZE, BenchRow, backend, copy_peer, one_thread, random_paged_blocks,
-                     time_interleaved)
-from .common import threads_check as common_threads_check
+                     threads_check, time_interleaved)
 from .peak import tile_peak_peer
 from .remote import RemotePeer, RemotePeerError, python_env
 
@@ -55,14 +54,14 @@ SOURCE_ROOT = Path(__file__).resolve().parents[2]  # the directory holding the s
 MAX_PEER_SCRIPT = SOURCE_ROOT.parent / "benchmarks" / "max_peer.py"  # present in a source checkout only
 
 
-def _time_with_peers(call, max_peer: RemotePeer | None = None, *, threads_check: bool = False,
+def _time_with_peers(call, max_peer: RemotePeer | None = None, *, check_threads: bool = False,
                      **peers) -> tuple[float, dict[str, float]]:
     """Our time and each peer's, interleaved (:func:`.common.time_interleaved`); the ``reference`` peer
     is ``call`` itself under ``SPARSEKV_BACKEND=reference``, the ``1thread`` peer ``call`` on one thread,
     the ``max`` peer ``max_peer`` when given (if it fails, the reason goes to stderr and the row is timed
-    again without it). ``threads_check``: ours and ``1thread`` alone (:func:`.common.threads_check`)."""
-    if threads_check:
-        return common_threads_check(call)
+    again without it). ``check_threads``: ours and ``1thread`` alone (:func:`.common.threads_check`)."""
+    if check_threads:
+        return threads_check(call)
 
     def reference():
         with backend("reference"):
@@ -115,7 +114,7 @@ def _max_note(peer: RemotePeer | None, peers: dict[str, float]) -> str:
 
 
 def bench_compress(batch: int, keys: int, dtype: torch.dtype, max_python: str | None,
-                   threads: int | None = None, threads_check: bool = False) -> BenchRow:
+                   threads: int | None = None, check_threads: bool = False) -> BenchRow:
     """One decode step that pools every complete block of every sequence."""
     generator = torch.Generator().manual_seed(0)
     key_counts = (keys - torch.arange(batch)).to(torch.int32)
@@ -133,16 +132,14 @@ def bench_compress(batch: int, keys: int, dtype: torch.dtype, max_python: str | 
     size = blocks.element_size()
     nbytes = (complete * RATIO * HEAD_DIM * size + out.numel() * size
               + complete * ROTARY_DIM * freqs.element_size() + HEAD_DIM * size)
-    if threads_check:
-        max_python = None
     with max_peer(max_python, "compress", batch, keys, dtype, threads) as peer:
-        ours, peers = _time_with_peers(call, peer, threads_check=threads_check, copy=copy_peer(nbytes))
+        ours, peers = _time_with_peers(call, peer, check_threads=check_threads, copy=copy_peer(nbytes))
     return BenchRow("qsa_compress_keys_paged", f"B={batch} keys={keys}-b D=128 R=4 rot=64 page=128",
                     DTYPE_NAMES[dtype], "cpu", ours, nbytes, peers, _max_note(peer, peers))
 
 
 def bench_block_score(batch: int, keys: int, rows_per_seq: int, dtype: torch.dtype,
-                      max_python: str | None, threads: int | None = None, threads_check: bool = False) -> BenchRow:
+                      max_python: str | None, threads: int | None = None, check_threads: bool = False) -> BenchRow:
     """Rows at each sequence's last positions, 4 index heads, against its block keys."""
     generator = torch.Generator().manual_seed(1)
     max_blocks = keys // RATIO
@@ -159,16 +156,16 @@ def bench_block_score(batch: int, keys: int, rows_per_seq: int, dtype: torch.dty
     nbytes = q.numel() * q.element_size() + batch * visible * HEAD_DIM * block_keys.element_size() + out.numel() * 4
     seen = ((positions.long() + 1) // RATIO).clamp(0, max_blocks)  # blocks each row scores
     peak = tile_peak_peer({dtype: int(seen.sum()) * INDEX_HEADS * HEAD_DIM})
-    if rows_per_seq != ROWS_PER_SEQUENCE or threads_check:  # max_peer.py runs the decode shape only
+    if rows_per_seq != ROWS_PER_SEQUENCE:  # max_peer.py runs the decode shape only
         max_python = None
     with max_peer(max_python, "block_score", batch, keys, dtype, threads) as peer:
-        ours, peers = _time_with_peers(call, peer, threads_check=threads_check, copy=copy_peer(nbytes), peak=peak)
+        ours, peers = _time_with_peers(call, peer, check_threads=check_threads, copy=copy_peer(nbytes), peak=peak)
     kind = "decode" if rows_per_seq <= ROWS_PER_SEQUENCE else "prefill chunk"
     return BenchRow("qsa_block_score", f"{kind}: B={batch} rows={rows_per_seq}/seq heads=4 blocks={max_blocks}",
                     DTYPE_NAMES[dtype], "cpu", ours, nbytes, peers, _max_note(peer, peers))
 
 
-def bench_select(batch: int, keys: int, threads_check: bool = False) -> BenchRow:
+def bench_select(batch: int, keys: int, check_threads: bool = False) -> BenchRow:
     generator = torch.Generator().manual_seed(2)
     rows = batch * ROWS_PER_SEQUENCE
     scores = torch.randn(rows, keys // RATIO, generator=generator)
@@ -179,12 +176,12 @@ def bench_select(batch: int, keys: int, threads_check: bool = False) -> BenchRow
         qsa_select_tokens(scores, positions, offsets, ratio=RATIO, budget=BUDGET)
 
     nbytes = scores.numel() * 4 + rows * (BUDGET + RATIO - 1) * 4
-    ours, peers = _time_with_peers(call, threads_check=threads_check, copy=copy_peer(nbytes))
+    ours, peers = _time_with_peers(call, check_threads=check_threads, copy=copy_peer(nbytes))
     return BenchRow("qsa_select_tokens", f"rows={rows} blocks={keys // RATIO} budget={BUDGET}", "fp32", "cpu",
                     ours, nbytes, peers)
 
 
-def bench_sparse_attention(batch: int, cached: int, dtype: torch.dtype, threads_check: bool = False) -> BenchRow:
+def bench_sparse_attention(batch: int, cached: int, dtype: torch.dtype, check_threads: bool = False) -> BenchRow:
     """Decode: one new token per sequence after ``cached`` tokens, ``BUDGET + R - 1`` selected entries."""
     generator = torch.Generator().manual_seed(3)
     total = cached + 1
@@ -220,8 +217,8 @@ def bench_sparse_attention(batch: int, cached: int, dtype: torch.dtype, threads_
     peak = tile_peak_peer({dtype: products, torch.float32: products} if dtype == torch.bfloat16
                           else {torch.float32: 2 * products})
     shape = f"decode B={batch} cached={cached} budget={BUDGET} q24/kv2 D=256"
-    if threads_check:
-        ours, peers = common_threads_check(call)
+    if check_threads:
+        ours, peers = threads_check(call)
         return BenchRow("qsa_sparse_attention_paged", shape, DTYPE_NAMES[dtype], "cpu", ours, nbytes, peers)
     ours, peers = _time_with_peers(call, **dense_peers, copy=copy_peer(nbytes), peak=peak)
     slower = max(dense_peers, key=peers.__getitem__)  # compare against the dense peer's faster layout only
@@ -234,14 +231,16 @@ OPS = ("compress", "block_score", "select", "sparse_attention")
 
 
 def run(quick: bool = False, max_python: str | None = None, threads: int | None = None,
-        ops: tuple[str, ...] | list[str] | None = None, threads_check: bool = False) -> list[BenchRow]:
+        ops: tuple[str, ...] | list[str] | None = None, check_threads: bool = False) -> list[BenchRow]:
     """All QSA rows; ``quick`` keeps one small shape per op (seconds, for smoke tests).
 
     Compress and decode block score run at 8k, 32k and 128k keys (1024 with ``quick``). ``threads``
     sets torch's and numba's thread counts (and MAX's) for the whole run. ``ops``, when given, keeps the
-    rows of those ops only (names from ``OPS``). ``threads_check``: ours against the same op on one
+    rows of those ops only (names from ``OPS``). ``check_threads``: ours against the same op on one
     thread only (:func:`.common.threads_check`: no MAX, reference, copy or dense peers).
     """
+    if check_threads:
+        max_python = None
     ops = OPS if ops is None else tuple(ops)
     unknown = [op for op in ops if op not in OPS]
     if unknown:
@@ -257,15 +256,15 @@ def run(quick: bool = False, max_python: str | None = None, threads: int | None 
     if "compress" in ops:
         for dtype in dtypes:
             for keys in key_sizes:
-                rows.append(bench_compress(4, keys, dtype, max_python, threads, threads_check))
+                rows.append(bench_compress(4, keys, dtype, max_python, threads, check_threads))
     if "block_score" in ops:
         for dtype in dtypes:
             for keys in key_sizes:
-                rows.append(bench_block_score(4, keys, ROWS_PER_SEQUENCE, dtype, max_python, threads, threads_check))
-            rows.append(bench_block_score(1, key_sizes[0], 64 if quick else 512, dtype, None, None, threads_check))
+                rows.append(bench_block_score(4, keys, ROWS_PER_SEQUENCE, dtype, max_python, threads, check_threads))
+            rows.append(bench_block_score(1, key_sizes[0], 64 if quick else 512, dtype, None, None, check_threads))
     if "select" in ops:
-        rows.append(bench_select(4, 1024 if quick else 32768, threads_check))
+        rows.append(bench_select(4, 1024 if quick else 32768, check_threads))
     if "sparse_attention" in ops:
         for dtype in dtypes:
-            rows.append(bench_sparse_attention(4 if not quick else 1, 4096 if quick else 32768, dtype, threads_check))
+            rows.append(bench_sparse_attention(4 if not quick else 1, 4096 if quick else 32768, dtype, check_threads))
     return rows
