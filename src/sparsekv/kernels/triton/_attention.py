@@ -98,6 +98,28 @@ def store_partials(acc, running_max, denom, row, heads, head_ok, dims, split, pa
 
 
 @triton.jit
+def selected_entries(indices_ptr, indices_stride, row, start, entries, end, lookup_ptr, lookup_stride, seq,
+                     max_pages, num_pages, PAGE_SIZE: tl.constexpr):
+    """Pages and in-page rows of index entries ``start + entries`` of ``row`` (those before ``end``), and
+    whether each is a real, resolvable entry."""
+    entry_ok = start + entries < end
+    positions = tl.load(indices_ptr + row.to(tl.int64) * indices_stride + start + entries, mask=entry_ok, other=-1)
+    page, page_row, valid = lookup_page(lookup_ptr, lookup_stride, seq, positions, max_pages, num_pages, PAGE_SIZE)
+    return page, page_row, valid & entry_ok
+
+
+@triton.jit
+def online_softmax(logits, running_max, denom):
+    """One tile of the running softmax: ``(weights, rescale, new_max, new_denom)`` from the tile's scaled
+    ``logits [heads, entries]`` (``-inf`` where invalid); an all-``-inf`` row keeps weight 0."""
+    new_max = tl.maximum(running_max, tl.max(logits, axis=1))
+    shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+    rescale = tl.exp(running_max - shift)
+    weights = tl.exp(logits - shift[:, None])
+    return weights, rescale, new_max, denom * rescale + tl.sum(weights, axis=1)
+
+
+@triton.jit
 def split_mma(weights, values, SPLIT_SCALE: tl.constexpr):
     """``weights @ values`` for fp32 ``weights`` and 16-bit ``values``, to about fp32 precision.
 
@@ -149,12 +171,8 @@ def _attention_kernel(
     acc = tl.zeros((BGP, BD), tl.float32)
     entries = tl.arange(0, BN)
     for start in range(begin, end, BN):
-        entry_ok = start + entries < end
-        positions = tl.load(indices_ptr + row.to(tl.int64) * indices_stride + start + entries, mask=entry_ok,
-                            other=-1)
-        page, page_row, valid = lookup_page(lookup_ptr, lookup_stride, seq, positions, max_pages, num_pages,
-                                            PAGE_SIZE)
-        valid = valid & entry_ok
+        page, page_row, valid = selected_entries(indices_ptr, indices_stride, row, start, entries, end, lookup_ptr,
+                                                 lookup_stride, seq, max_pages, num_pages, PAGE_SIZE)
         base = (page * page_stride + page_row.to(tl.int64) * ROW_WIDTH + kv_head * HEAD_DIM)[:, None] + dims[None, :]
         tile_ok = valid[:, None] & dim_ok[None, :]
         keys = tl.load(blocks_ptr + key_offset + base, mask=tile_ok, other=0.0)
@@ -163,11 +181,7 @@ def _attention_kernel(
         else:
             logits = mma(q, tl.trans(keys)) * scale
         logits = tl.where(valid[None, :], logits, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(logits, axis=1))
-        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-        rescale = tl.exp(running_max - shift)
-        weights = tl.exp(logits - shift[:, None])
-        denom = denom * rescale + tl.sum(weights, axis=1)
+        weights, rescale, new_max, denom = online_softmax(logits, running_max, denom)
         values = tl.load(blocks_ptr + value_offset + base, mask=tile_ok, other=0.0)
         if IS_FP32:
             update = tl.dot(weights, values.to(tl.float32), input_precision="ieee")

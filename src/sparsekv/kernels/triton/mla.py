@@ -29,8 +29,8 @@ import triton.language as tl
 
 from . import _common
 from ..reference.qsa import check_counted_entries
-from ._attention import finish, merge_kernel, num_splits, split_mma, store_partials
-from ._common import TL_DTYPES, find_sequence, lookup_page, mma, next_pow2, page_stride_of, search_steps, unit_stride
+from ._attention import finish, merge_kernel, num_splits, online_softmax, selected_entries, split_mma, store_partials
+from ._common import TL_DTYPES, find_sequence, mma, next_pow2, page_stride_of, search_steps, unit_stride
 
 __all__ = ["mla_sparse_attention_paged"]
 
@@ -70,12 +70,8 @@ def _mla_attention_kernel(
     acc = tl.zeros((BH, BV), tl.float32)
     entries = tl.arange(0, BN)
     for start in range(begin, end, BN):
-        entry_ok = start + entries < end
-        positions = tl.load(indices_ptr + row.to(tl.int64) * indices_stride + start + entries, mask=entry_ok,
-                            other=-1)
-        page, page_row, valid = lookup_page(lookup_ptr, lookup_stride, seq, positions, max_pages, num_pages,
-                                            PAGE_SIZE)
-        valid = valid & entry_ok
+        page, page_row, valid = selected_entries(indices_ptr, indices_stride, row, start, entries, end, lookup_ptr,
+                                                 lookup_stride, seq, max_pages, num_pages, PAGE_SIZE)
         base = blocks_ptr + layer_offset + (page * page_stride + page_row.to(tl.int64) * HEAD_DIM)[:, None]
         latent = tl.load(base + value_dims[None, :], mask=valid[:, None] & value_ok[None, :], other=0.0)
         rest = tl.load(base + rest_dims[None, :], mask=valid[:, None] & rest_ok[None, :], other=0.0)
@@ -85,11 +81,7 @@ def _mla_attention_kernel(
         else:
             logits = mma(q_value, tl.trans(latent)) + mma(q_rest, tl.trans(rest))
         logits = tl.where(valid[None, :], logits * scale, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(logits, axis=1))
-        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-        rescale = tl.exp(running_max - shift)
-        weights = tl.exp(logits - shift[:, None])
-        denom = denom * rescale + tl.sum(weights, axis=1)
+        weights, rescale, new_max, denom = online_softmax(logits, running_max, denom)
         if IS_FP32:
             update = tl.dot(weights, latent, input_precision="ieee")
         else:
