@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -107,6 +108,74 @@ def test_cpu_bits_do_not_depend_on_threads_head_chunks_or_batch(monkeypatch):
                          offsets=torch.tensor([0, 1], dtype=torch.int32))
             out, lse = run_kernel(cpu_mla.mla_sparse_attention_paged, alone)
             assert torch.equal(out[0], want_out[r]) and torch.equal(lse[0], want_lse[r])
+
+
+def prefill_case(rng, dtype, heads):
+    """Prefill chunks of two sequences: each row selects increasing positions, every causal token while
+    they fit the width, else the best-scoring ones (scores shared by the sequence's rows plus noise of
+    each row, so that neighbours overlap as an indexer's do); in the second sequence a few rows select nothing or repeat
+    a position."""
+    rank, rope, width = 32, 8, rng.choice([9, 24])
+    cached, rows = [rng.randrange(0, 30), rng.randrange(0, 30)], [rng.randrange(16, 34), rng.randrange(1, 24)]
+    lengths = [c + n for c, n in zip(cached, rows)]
+    _, blocks, table = latent_cache(rng, lengths, rank + rope, dtype, page_size=rng.choice([16, 5]))
+    total_q = sum(rows)
+    indices = torch.full((total_q, width), 10**6, dtype=torch.int32)
+    counts = torch.zeros(total_q, dtype=torch.int32)
+    r = 0
+    for b, (c, n) in enumerate(zip(cached, rows)):
+        shared_scores = torch.rand(c + n)
+        for position in range(c, c + n):
+            scores = shared_scores[:position + 1] + 0.2 * torch.rand(position + 1)
+            chosen = sorted(scores.topk(min(width, position + 1)).indices.tolist())
+            if b == 1 and rng.random() < 0.2 and len(chosen) > 1:
+                chosen[1] = chosen[0]  # a duplicate: this row's group runs row by row
+            indices[r, :len(chosen)] = torch.tensor(chosen)
+            counts[r] = 0 if b == 1 and rng.random() < 0.1 else len(chosen)
+            r += 1
+    q = torch.randn(total_q, heads, rank + rope).to(dtype)
+    return {"q": q, "blocks": blocks, "table": table, "indices": indices, "counts": counts,
+            "offsets": torch.tensor([0, rows[0], total_q], dtype=torch.int32), "layer": 1,
+            "scale": (rank + rope) ** -0.5, "v_head_dim": rank}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+def test_rows_sharing_a_tile_give_the_bits_of_rows_alone(dtype, monkeypatch):
+    """Prefill rows of up to 8 heads packed into one tile over the union of their selections: the same bits
+    as one row per task, and SPEC 4 against the reference."""
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    for heads in (1, 3, 8):
+        case = prefill_case(rng, dtype, heads)
+        packed_rows, width = 16 // heads, case["indices"].shape[1]
+        union = cpu_mla.merged_selection(case["indices"].numpy(), case["counts"].numpy(), 0, packed_rows, heads,
+                                         np.empty(packed_rows * width, np.int32),
+                                         np.zeros((packed_rows * width, 16), np.bool_))
+        entries = int(case["counts"][:packed_rows].sum())
+        assert 0 < 4 * union <= 3 * entries, "the first rows do not share a tile: the case tests nothing"
+        monkeypatch.setattr(cpu_mla, "_rows_per_task", lambda offsets, q_heads, per_task, n=packed_rows: n)
+        out, lse = run_kernel(cpu_mla.mla_sparse_attention_paged, case)
+        monkeypatch.setattr(cpu_mla, "_rows_per_task", lambda offsets, q_heads, per_task: 1)
+        alone_out, alone_lse = run_kernel(cpu_mla.mla_sparse_attention_paged, case)
+        assert torch.equal(out, alone_out) and torch.equal(lse, alone_lse)
+        want_out, want_lse = run_kernel(ref_mla.mla_sparse_attention_paged, case)
+        assert_spec_close(lse, want_lse, what="lse")
+        assert_spec_close(out, want_out, what="out", noise_floor=2.4e-4 if dtype == torch.float16 else 3e-5)
+
+
+def test_merged_selection():
+    indices = torch.tensor([[0, 2, 5, -1], [1, 2, 6, 7], [3, 3, 4, 9], [4, 2, 8, 9]], dtype=torch.int32).numpy()
+    counts = np.array([3, 4, 3, 4], np.int32)
+    merged, selected = np.empty(8, np.int32), np.zeros((8, 4), np.bool_)
+    assert cpu_mla.merged_selection(indices, counts, 0, 2, 2, merged, selected) == 6
+    assert merged[:6].tolist() == [0, 1, 2, 5, 6, 7]
+    assert selected[:6, ::2].tolist() == [[1, 0], [0, 1], [1, 1], [1, 0], [0, 1], [0, 1]]
+    assert (selected[:6, 1::2] == selected[:6, ::2]).all()  # both heads of a row
+    for r0 in (1, 2):  # a repeated position, then positions out of order: no shared tile
+        assert cpu_mla.merged_selection(indices, counts, r0, 2, 2, merged, np.zeros((8, 4), np.bool_)) == -1
+    assert cpu_mla.merged_selection(indices, np.array([3, 0, 3, 4], np.int32), 0, 2, 2, merged, selected) == -1
 
 
 # ---- against dense MLA in HF's expanded form ----------------------------------------

@@ -97,3 +97,32 @@ def scaled_softmax_in_place(logits, count, lanes, scale):
             logits[n, h] = weight
             denom[h] += weight
     return row_max, denom
+
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def scaled_softmax_of_members(logits, count, selected, scale):
+    """:func:`scaled_softmax_in_place` where lane ``l`` counts only the keys ``n`` with ``selected[n, l]``
+    (several query rows packed in one tile, each over its own keys among the tile's).
+
+    A counted key's weight, and each lane's ``row_max`` and ``denom``, come out with exactly the operations
+    and order :func:`scaled_softmax_in_place` uses on that lane's own keys: the others enter the max as
+    ``-inf`` and the sum as an exact 0, and weigh 0. ``logits [count, lanes]`` float32, ``selected
+    [count, lanes]`` bool. Returns ``(row_max, denom)``.
+    """
+    lanes = logits.shape[1]
+    row_max = np.full(lanes, -np.inf, np.float32)
+    for n in range(count):
+        for lane in range(lanes):
+            value = logits[n, lane] * np.float32(scale)
+            logits[n, lane] = value
+            candidate = value if selected[n, lane] else np.float32(-np.inf)
+            row_max[lane] = candidate if candidate > row_max[lane] else row_max[lane]
+    denom = np.zeros(lanes, np.float32)
+    for n in range(count):
+        for lane in range(lanes):
+            weight = exp_f32(logits[n, lane] - row_max[lane])
+            weight = weight if selected[n, lane] else np.float32(0.0)
+            logits[n, lane] = weight
+            denom[lane] += weight
+    return row_max, denom
