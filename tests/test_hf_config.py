@@ -111,8 +111,9 @@ def test_glm5_next_nested_and_flat_multimodal(tmp_path):
     pattern = dict(GLM5_TEXT, num_hidden_layers=8, index_topk_pattern="FFFFFFFS")
     hf = transformers.Glm5NextConfig(text_config=pattern)
     data = _saved(tmp_path, hf)
-    with pytest.warns(UserWarning, match="vision_config"):
+    with pytest.warns(UserWarning, match="vision_config") as caught:
         nested = load_config(data)
+    assert len(caught) == 1  # every vision key named in one warning
     assert nested.index_layers == (3, 7) and nested.indexer_types[7] == "shared"
     assert nested.full_index_layers == (3,)
     flat = dict(data["text_config"], model_type="glm5_next", image_token_id=1)

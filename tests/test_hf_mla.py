@@ -222,3 +222,22 @@ def test_slices_load_hf_checkpoints(tmp_path, family):
     indexers = Glm5NextIndexerSlice(config, MLA["vocab_size"])
     load_slice_weights(indexers, reader)
     assert torch.equal(indexers.layers[0].indexer.wk.weight, slice_.attentions[0].indexer.wk.weight)
+
+
+@pytest.mark.parametrize("family", ["glm5_next", "deepseek_v32"])
+def test_hf_checkpoint_with_a_wrong_name_or_shape_names_the_tensor(tmp_path, family):
+    """An HF-written checkpoint missing a weight, or holding one of the wrong shape, fails naming that tensor."""
+    model = _hf_model(family, shared=family == "glm5_next")
+    reader = save_and_reload(model, tmp_path / family)
+    config, _ = open_checkpoint(tmp_path / family)
+    tensors = {name: reader.get(name) for name in reader.names()}
+    root = "" if family == "glm5_next" else "model."
+    renamed = dict(tensors)
+    renamed[f"{root}layers.1.self_attn.kv_b.weight"] = renamed.pop(f"{root}layers.1.self_attn.kv_b_proj.weight")
+    with pytest.raises(ValueError, match=rf"missing weight '{root}layers\.1\.self_attn\.kv_b_proj\.weight' "
+                                         r"\(expected shape \(88, 20\)\); the checkpoint holds .*kv_b\.weight"):
+        load_slice_weights(MlaSlice(config, MLA["vocab_size"]), renamed)
+    reshaped = dict(tensors, **{f"{root}layers.0.self_attn.indexer.wk.weight": torch.zeros(3, MLA["hidden_size"])})
+    with pytest.raises(ValueError, match=rf"'{root}layers\.0\.self_attn\.indexer\.wk\.weight' has shape \(3, 40\), "
+                                         r"expected \(\d+, 40\)"):
+        load_slice_weights(MlaSlice(config, MLA["vocab_size"]), reshaped)

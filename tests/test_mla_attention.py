@@ -402,6 +402,21 @@ def test_every_public_error():
         (ValueError, "row 0, entry 0 holds position 6, outside \\[0, 6\\)",
          {"indices": torch.tensor([[6, 1, 2], [3, 4, 5]])}),
         (ValueError, "counts: row 1 counts 4 entries but indices has 3 columns", {"counts": torch.tensor([3, 4])}),
+        # the argument checks shared with every op, once each for this one
+        (TypeError, "q: expected a torch.Tensor, got list", {"q": q.tolist()}),
+        (ValueError, "q: expected a tensor on cpu, got one on meta", {"q": q.to("meta")}),
+        (ValueError, "layer_idx: expected an int >= 0, got -1", {"layer_idx": -1}),
+        (TypeError, "layer_idx: expected an int, got float", {"layer_idx": 0.0}),
+        (TypeError, "out: expected a torch.Tensor, got list", {"out": [0.0]}),
+        (ValueError, "out: expected a tensor on cpu, got one on meta", {"out": torch.empty(2, 3, 10, device="meta")}),
+        (TypeError, "indices: expected a torch.Tensor, got list", {"indices": indices.tolist()}),
+        (ValueError, "indices: expected a 2-d tensor", {"indices": indices[0]}),
+        (ValueError, "indices: expected values that fit in int32 .* got 2147483648 at index \\[1, 2\\]",
+         {"indices": torch.tensor([[0, 1, 2], [3, 4, 2**31]])}),
+        (ValueError, "counts: expected a 1-d tensor", {"counts": counts[None]}),
+        (TypeError, "counts: expected dtype", {"counts": counts.float()}),
+        (ValueError, "input_row_offsets: expected a 1-d tensor", {"input_row_offsets": offsets[None]}),
+        (TypeError, "input_row_offsets: expected dtype", {"input_row_offsets": offsets.float()}),
     ]
     for error, message, changes in cases:
         with pytest.raises(error, match=message):

@@ -26,7 +26,7 @@ def test_interpret_smoke_run_checks_every_kernel(tmp_path, capsys):
     ops = {row["op"] for row in report["rows"]}
     assert ops >= {"paged_store", "qsa_compress_keys_paged", "qsa_block_score", "qsa_select_tokens",
                    "qsa_sparse_attention_paged", "mla_kpool_compress", "mla_kpool_ring_close",
-                   "mla_kpool_seed_tail", "mla_kpool_score", "mla_kpool_expand_topk"}
+                   "mla_kpool_seed_tail", "mla_kpool_score", "mla_kpool_expand_topk", "mla_sparse_attention_paged"}
     assert all(row["check"]["ok"] for row in report["rows"]) and not report["errors"]
     printed = capsys.readouterr().out
     assert "target" in printed.splitlines()[-len(report["rows"]) - 3]  # the table comes last
