@@ -263,7 +263,9 @@ def test_indexer_step_that_raises_leaves_ring_and_cache_as_they_were(problem):
         layer = 2  # the pooled cache has layers 0 and 1
     else:
         bad_table[0, 0] = -1 if problem == "sentinel page" else 4  # where sequence 0's pools 1 and 2 go
-    with pytest.raises(ValueError, match="layer_idx" if problem == "layer" else "sequence 0, position 1"):
+    # the pool is named with the token positions the caller passed (c = 6: pool 1 holds positions 4..7)
+    pool_1 = r"pooled cache: sequence 0 \(cache_lengths\[0\] = 6\) stores pool 1 \(positions 4\.\.7\)"
+    with pytest.raises(ValueError, match="layer_idx" if problem == "layer" else pool_1):
         _run_step(args, blocks, bad_table, kpool, layer)
     assert torch.equal(args["ring"].view(torch.uint8), ring_before.view(torch.uint8))
     assert torch.equal(blocks.view(torch.uint8), blocks_before.view(torch.uint8))

@@ -298,8 +298,13 @@ def test_store_pooled_keys_sentinel_page_and_bad_ids():
     coll = make_pooled_collection(blocks, torch.tensor([4]), table, kpool=kpool)
     pooled = torch.randn(2, dim)
     args = (torch.zeros(1, dim), torch.tensor([-1]), pooled, torch.tensor([0, 2]), torch.tensor([4]))
-    with pytest.raises(ValueError, match=r"sequence 0, position 2: its page \(lookup_table\[0, 1\]\) is the sentinel"):
+    with pytest.raises(ValueError, match=r"sequence 0 \(cache_lengths\[0\] = 4\) stores pool 2 \(positions 8\.\.11\), "
+                                         r"which has no page: its page \(lookup_table\[0, 1\]\) is the sentinel"):
         store_pooled_keys(coll, 0, *args, kpool=kpool)
+    assert torch.isnan(blocks).all(), "wrote before raising"
+    with pytest.raises(ValueError, match=r"cache_lengths: expected values >= 0, got -8 at index 0"):  # as passed
+        store_pooled_keys(coll, 0, torch.zeros(1, dim), torch.tensor([-1]), pooled[:0], torch.tensor([0, 0]),
+                          torch.tensor([-8]), kpool=kpool)
     assert torch.isnan(blocks).all(), "wrote before raising"
     with pytest.raises(ValueError, match=r"closed_ids: expected floor\(cache_lengths / kpool\) = \[1\]"):
         store_pooled_keys(coll, 0, torch.zeros(1, dim), torch.tensor([0]), pooled, torch.tensor([0, 2]),

@@ -13,9 +13,9 @@ from typing import NamedTuple
 
 import torch
 
-from .._checks import as_index_tensor, check_int, check_tensor
+from .._checks import as_index_tensor, check_int, check_nonnegative, check_tensor
 from .._env import host_checks
-from ..cache.layout import PagedKVCacheCollection, ragged_rows, resolve_pages
+from ..cache.layout import PagedKVCacheCollection, page_problem, ragged_rows
 from .cache import paged_store
 from .kpool import kpool_pool_row_offsets, mla_kpool_compress, mla_kpool_ring_close, mla_kpool_seed_tail
 
@@ -48,7 +48,8 @@ def store_pooled_keys(pooled_collection: PagedKVCacheCollection, layer_idx: int,
         pooled, pool_row_offsets: from ``mla_kpool_compress`` / ``kpool_pool_row_offsets``.
         cache_lengths: ``[B]`` int, tokens cached before this call.
 
-    Every destination page is validated before the first write.
+    Every destination page is validated before the first write; a missing
+    one raises :func:`pooled_page_error`.
 
     Example, kpool 4, ``c = 6``, ``n = 7``: pool 1 (closed) then pool 2 go to
     pool ids 1 and 2 (``floor(6/4) = 1``; ``floor(13/4) - 1 = 2``).
@@ -70,7 +71,8 @@ def _plan_pooled_store(pooled_collection: PagedKVCacheCollection, layer_idx: int
     if pc.num_heads != 1:
         raise ValueError(f"pooled_collection: expected one head, got {pc.num_heads}")
     dim = pc.head_size
-    cache_lengths = as_index_tensor("cache_lengths", cache_lengths, ndim=1).to(pc.device)
+    cache_lengths = check_nonnegative("cache_lengths", as_index_tensor("cache_lengths", cache_lengths, ndim=1)
+                                      .to(pc.device))
     batch = cache_lengths.shape[0]
     if batch != pc.batch_size:
         raise ValueError(f"cache_lengths: expected {pc.batch_size} entries (the pooled cache's batch), got {batch}")
@@ -109,9 +111,38 @@ def _plan_pooled_store(pooled_collection: PagedKVCacheCollection, layer_idx: int
     host = host_checks(pc.device)
     offsets = view.check_store(values, entry_offsets, layer_idx=layer_idx, plane=0, check_values=host)
     if host:
-        resolve_pages(view.lookup_table, view.num_pages, view.page_size, seq_of_entry,
-                      pool_lengths.to(torch.int64)[seq_of_entry] + local)
+        _check_pool_pages(view, seq_of_entry, pool_lengths.to(torch.int64)[seq_of_entry] + local, cache_lengths,
+                          kpool)
     return _PooledStore(view, values, offsets)
+
+
+def pooled_page_error(lookup_table: torch.Tensor, num_pages: int, pools_per_page: int, cache_lengths: torch.Tensor,
+                      kpool: int, seq: int, pool: int) -> ValueError:
+    """The ``ValueError`` for pool ``pool`` of sequence ``seq`` that a store finds without a valid page.
+
+    Names what the caller passed, token positions: the sequence's cache
+    length and the positions the pool holds, then why it has no page.
+    """
+    first = pool * kpool
+    return ValueError(
+        f"pooled cache: sequence {seq} (cache_lengths[{seq}] = {int(cache_lengths[seq])}) stores pool {pool} "
+        f"(positions {first}..{first + kpool - 1}), which has no page: "
+        f"{page_problem(lookup_table, num_pages, pools_per_page, seq, pool)}")
+
+
+def _check_pool_pages(view: PagedKVCacheCollection, seq_of_entry: torch.Tensor, pool_ids: torch.Tensor,
+                      cache_lengths: torch.Tensor, kpool: int) -> None:
+    """Raise :func:`pooled_page_error` for the first entry (int64 ``seq_of_entry``/``pool_ids``, ``[entries]``)
+    whose pool has no valid page in ``view`` (one row per pool)."""
+    table, per_page = view.lookup_table, view.page_size
+    logical = torch.div(pool_ids, per_page, rounding_mode="floor")
+    in_table = logical < table.shape[1]
+    pages = table[seq_of_entry, torch.where(in_table, logical, torch.zeros_like(logical))].to(torch.int64)
+    valid = in_table & (pages >= 0) & (pages < view.num_pages)
+    if not bool(valid.all()):
+        bad = int(torch.nonzero(~valid)[0])
+        raise pooled_page_error(table, view.num_pages, per_page, cache_lengths, kpool, int(seq_of_entry[bad]),
+                                int(pool_ids[bad]))
 
 
 class KPoolStep(NamedTuple):
