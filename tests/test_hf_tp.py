@@ -1,0 +1,54 @@
+"""A patched Hugging Face model under ``tp_plan="auto"``: 2 ranks launched by torchrun over gloo.
+
+Hugging Face's Qwen4Exp plan leaves the attention's ``q/k/v/o_proj`` whole on
+every rank and row-shards the indexer's ``index_qk_proj`` (its forward
+all-gathers the output), so the patched model runs replicated attention;
+greedy tokens must equal the single-process unpatched model's on every rank.
+Transformers needs ``accelerate`` for any ``tp_plan``: without it the test skips.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate", reason="transformers needs accelerate for tp_plan")
+from transformers import Qwen4ExpForCausalLM  # noqa: E402
+
+from test_hf_integration import SEED, VOCAB, tiny_config  # noqa: E402
+
+WORKER = Path(__file__).resolve().parent / "hf_tp_worker.py"
+NEW_TOKENS = 12
+DEADLINE_S = 240
+
+
+def test_patched_model_under_hf_tp_plan_generates_the_single_process_tokens(tmp_path):
+    torch.manual_seed(SEED)
+    model = Qwen4ExpForCausalLM(tiny_config()).eval()
+    checkpoint, out = tmp_path / "checkpoint", tmp_path / "out"
+    model.save_pretrained(checkpoint)
+    out.mkdir()
+    prompt = torch.randint(0, VOCAB, (13,), generator=torch.Generator().manual_seed(3)).tolist()
+    ids = torch.tensor([prompt])
+    with torch.no_grad():  # longer than the indexer budget (8): the patched layers select
+        want = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                              min_new_tokens=NEW_TOKENS, do_sample=False)[0, ids.shape[1]:].tolist()
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER),
+               str(checkpoint), json.dumps(prompt), str(NEW_TOKENS), str(out)]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=DEADLINE_S,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    reports = [json.loads((out / f"rank{rank}.json").read_text(encoding="utf-8")) for rank in range(2)]
+    assert [(r["rank"], r["world_size"]) for r in reports] == [(0, 2), (1, 2)]
+    for report in reports:
+        assert report["unpatched"] == want and report["patched"] == want
+        assert report["sparsekv_cached_tokens"] == len(prompt) + NEW_TOKENS - 1  # the patched run went through sparsekv
+        assert report["q_proj"] == ["Parameter", [128, 32]]  # 4 heads x (query + gate) x 16: whole on each rank
+        assert report["index_qk_proj"] == ["DTensor", ["Shard(dim=0)"], [72, 32]]  # half of 144 rows per rank
