@@ -42,9 +42,19 @@ def test_patched_model_under_hf_tp_plan_generates_the_single_process_tokens(tmp_
                               min_new_tokens=NEW_TOKENS, do_sample=False)[0, ids.shape[1]:].tolist()
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER),
                str(checkpoint), json.dumps(prompt), str(NEW_TOKENS), str(out)]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=DEADLINE_S,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        _, stderr = proc.communicate(timeout=DEADLINE_S)
+    finally:
+        if proc.poll() is None:  # SIGTERM: torchrun stops its ranks (each in a session of its own), then exits
+            proc.terminate()
+            try:
+                proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+    assert proc.returncode == 0, stderr[-4000:]
     reports = [json.loads((out / f"rank{rank}.json").read_text(encoding="utf-8")) for rank in range(2)]
     assert [(r["rank"], r["world_size"]) for r in reports] == [(0, 2), (1, 2)]
     for report in reports:
