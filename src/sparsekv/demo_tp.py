@@ -313,6 +313,8 @@ def tp_records(runs: Sequence[TPCheckOptions]) -> list[tuple[dict, list[dict]]]:
 
     Every run must share ``tp``, ``device``, ``timeout_s`` and
     ``threads_per_rank``: one launch of ``tp`` processes serves them all.
+    Raises ``ValueError`` before any process starts when the heads do not
+    split over ``tp`` or a CUDA run has fewer devices than ranks.
     """
     first = runs[0]
     for options in runs[1:]:
@@ -321,6 +323,8 @@ def tp_records(runs: Sequence[TPCheckOptions]) -> list[tuple[dict, list[dict]]]:
             raise ValueError("runs: expected the same tp, device, timeout_s and threads_per_rank in every run")
     for options in runs:  # a head count that does not split raises here, before any process starts
         kv_head_range(options.config.num_key_value_heads, options.config.num_attention_heads, 0, options.tp)
+    if torch.device(first.device).type == "cuda" and first.tp > (devices := torch.cuda.device_count()):
+        raise ValueError(f"tp: {first.tp} ranks over NCCL need one CUDA device each, found {devices}")
     references = []
     with tempfile.TemporaryDirectory(prefix="sparsekv-tp-ckpt-") as scratch:
         checkpoints = []
