@@ -231,12 +231,12 @@ def test_demo_plot(capsys, tmp_path, small_configs):
 
 @pytest.fixture
 def no_run(monkeypatch):
-    """Fail the test if the demo starts: a bad output path must stop the command first. (``bench`` prints
-    "running ..." before each benchmark module; the tests check stderr for it.)"""
+    """Fail the test if the demo starts: a bad output path or ``--tp`` must stop the command first. (``bench``
+    prints "running ..." before each benchmark module; the tests check stderr for it.)"""
     import sparsekv.demo
 
     def refuse(*args, **kwargs):
-        raise AssertionError("the demo ran although its output path is unusable")
+        raise AssertionError("the demo ran although an argument is unusable")
 
     monkeypatch.setattr(sparsekv.demo, "run_demo", refuse)
 
@@ -469,6 +469,9 @@ def test_demo_tensor_parallel_check(capsys, small_configs):
     assert tp["kv_bytes_per_rank"]["index"] == tp["kv_bytes_single"]["index"] and tp["all_reduce_calls"] > 0
 
 
-def test_demo_tensor_parallel_refuses_a_split_that_does_not_divide(capsys):
-    assert cli.main(["demo", "--requests", "2", "--context", "64", "--no-progress", "--tp", "5"]) == 2
-    assert "--tp 5" in capsys.readouterr().err
+@pytest.mark.parametrize("tp, message", [("5", "num_attention_heads: 24 heads do not split evenly"),
+                                         ("0", "tp: expected a number of ranks >= 1, got 0")])
+def test_demo_tensor_parallel_refuses_a_bad_count_before_the_demo_runs(capsys, no_run, tp, message):
+    assert cli.main(["demo", "--requests", "2", "--context", "64", "--no-progress", "--tp", tp]) == 2
+    err = capsys.readouterr().err
+    assert f"--tp {tp}: " in err and message in err

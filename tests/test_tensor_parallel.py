@@ -69,6 +69,12 @@ def test_tp_check_refuses_a_head_split_before_starting_processes():
         tp_records([TPCheckOptions(tp=3, config=TINY)])
 
 
+def test_tp_check_refuses_more_cuda_ranks_than_devices_before_starting_processes(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="tp: 2 ranks over NCCL need one CUDA device each, found 1"):
+        tp_records([TPCheckOptions(tp=2, config=TINY, device="cuda")])
+
+
 def test_layer_without_process_group_is_one_rank_and_rejects_other_groups():
     layer = QSAAttention(TINY)
     assert (layer.tensor_parallel.rank, layer.tensor_parallel.world_size) == (0, 1)

@@ -79,6 +79,13 @@ def _demo(args: argparse.Namespace) -> int:
 
     if args.plot and (problem := plot_problem(args.plot)):
         return _usage_error("demo", problem)
+    if args.tp != 1:
+        from .demo_tp import TPCheckOptions, check_tp_options
+        tp_options = TPCheckOptions(tp=args.tp, device=args.device, seed=args.seed)
+        try:
+            check_tp_options(tp_options)
+        except ValueError as err:
+            return _usage_error("demo", f"--tp {args.tp}: {err}")
     options = DemoOptions(device=args.device, dtype=args.dtype, configs=args.config or [],
                           checkpoints=args.checkpoint or [], requests=args.requests, context=args.context,
                           decode_tokens=args.decode_tokens, shared_prefix=args.shared_prefix,
@@ -89,10 +96,10 @@ def _demo(args: argparse.Namespace) -> int:
         report = run_demo(options)
     except DemoError as err:
         return _usage_error("demo", str(err))
-    if args.tp > 1:
-        from .demo_tp import RankError, TPCheckOptions, run_tp_check
+    if args.tp != 1:
+        from .demo_tp import RankError, run_tp_check
         try:
-            report["tensor_parallel"] = run_tp_check(TPCheckOptions(tp=args.tp, device=args.device, seed=args.seed))
+            report["tensor_parallel"] = run_tp_check(tp_options)
         except (RankError, ValueError) as err:
             return _usage_error("demo", f"--tp {args.tp}: {err}")
         report["checks_passed"] = report["checks_passed"] and report["tensor_parallel"]["passed"]

@@ -308,19 +308,30 @@ def _tp_rank(process_group: dist.ProcessGroup, runs: list[tuple[str, TPCheckOpti
     return records
 
 
+def check_tp_options(options: TPCheckOptions) -> None:
+    """Raise ``ValueError`` unless ``options.tp`` ranks can run: the heads split over them, one CUDA device each."""
+    if not isinstance(options.tp, int) or options.tp < 1:
+        raise ValueError(f"tp: expected a number of ranks >= 1, got {options.tp!r}")
+    kv_head_range(options.config.num_key_value_heads, options.config.num_attention_heads, 0, options.tp)
+    if torch.device(options.device).type == "cuda" and options.tp > (devices := torch.cuda.device_count()):
+        raise ValueError(f"tp: {options.tp} ranks over NCCL need one CUDA device each, found {devices}")
+
+
 def tp_records(runs: Sequence[TPCheckOptions]) -> list[tuple[dict, list[dict]]]:
     """Per run, ``(single-process record, [record of each rank])`` of the workload (see :func:`serve`).
 
     Every run must share ``tp``, ``device``, ``timeout_s`` and
     ``threads_per_rank``: one launch of ``tp`` processes serves them all.
+    Raises ``ValueError`` before any process starts when the heads do not
+    split over ``tp`` or a CUDA run has fewer devices than ranks.
     """
     first = runs[0]
     for options in runs[1:]:
         if (options.tp, options.device, options.timeout_s, options.threads_per_rank) != (
                 first.tp, first.device, first.timeout_s, first.threads_per_rank):
             raise ValueError("runs: expected the same tp, device, timeout_s and threads_per_rank in every run")
-    for options in runs:  # a head count that does not split raises here, before any process starts
-        kv_head_range(options.config.num_key_value_heads, options.config.num_attention_heads, 0, options.tp)
+    for options in runs:
+        check_tp_options(options)
     references = []
     with tempfile.TemporaryDirectory(prefix="sparsekv-tp-ckpt-") as scratch:
         checkpoints = []
@@ -427,5 +438,5 @@ def format_tp_report(result: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["RankError", "TPCheckOptions", "cache_groups", "compare_records", "format_tp_report", "launch",
-           "record_bytes", "record_from_bytes", "run_tp_check", "serve", "summarize", "tp_records"]
+__all__ = ["RankError", "TPCheckOptions", "cache_groups", "check_tp_options", "compare_records", "format_tp_report",
+           "launch", "record_bytes", "record_from_bytes", "run_tp_check", "serve", "summarize", "tp_records"]

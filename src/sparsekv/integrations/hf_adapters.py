@@ -125,6 +125,27 @@ class AttentionAdapter:
         raise NotImplementedError
 
 
+def _refuse_split_weights(module: nn.Module, names: tuple[str, ...]) -> None:
+    """Raise ``NotImplementedError`` when a tensor-parallel plan split any of ``module``'s ``names`` over ranks.
+
+    Hugging Face's ``tp_plan`` turns a sharded weight into a ``DTensor``; the
+    patched layers compute with whole projections (every head), so they
+    cannot run on a rank's shard.
+    """
+    if not torch.distributed.is_available():
+        return
+    from torch.distributed.tensor import DTensor, Replicate
+
+    split = [name for name in names if isinstance(weight := getattr(module, name).weight, DTensor)
+             and not all(isinstance(placement, Replicate) for placement in weight.placements)]
+    if split:
+        raise NotImplementedError(
+            f"model: layer {module.layer_idx}'s {', '.join(split)} are split over ranks by a tensor-parallel plan "
+            "(tp_plan); the patched attention runs on whole projections and does not take Hugging Face's shards "
+            "(docs/scale-out.md, section 8). Load the model without tp_plan, or with a plan that leaves the "
+            "attention projections whole")
+
+
 def _config_value(config: object, name: str) -> object:
     value = getattr(config, name, None)
     if value is None:
@@ -184,6 +205,7 @@ class Qwen4ExpAdapter(AttentionAdapter):
 
     def _build(self, module: nn.Module) -> QSAAttention:
         """A :class:`QSAAttention` whose submodules are ``module``'s own (weights shared, nothing copied)."""
+        _refuse_split_weights(module, ("q_proj", "k_proj", "v_proj", "o_proj"))
         layer = QSAAttention(self.config, dtype=module.q_proj.weight.dtype, device="meta")
         for name in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"):
             setattr(layer, name, getattr(module, name))
@@ -273,6 +295,7 @@ class MlaAdapter(AttentionAdapter):
 
     def _build(self, module: nn.Module) -> MlaSparseAttention:
         """A :class:`MlaSparseAttention` whose submodules are ``module``'s own (weights shared, nothing copied)."""
+        _refuse_split_weights(module, ("q_b_proj", "kv_b_proj", "o_proj"))
         dtype = self.weight_of(module).dtype
         layer = MlaSparseAttention(self.config, module.layer_idx, dtype=dtype, device="meta")
         for name in _MLA_PROJECTIONS:

@@ -46,6 +46,9 @@ filled cache; static, offloaded or quantized caches; right padding or holes in
 the mask; 4-d masks; multi-axis (vision) positions; ``output_attentions``;
 gradients (call under ``torch.no_grad()`` / ``torch.inference_mode()``).
 A cache filled by an unpatched model is refused with a ``ValueError``.
+:func:`patch_model` raises ``NotImplementedError`` for attention projections
+that a tensor-parallel plan (``tp_plan``) split over ranks (the MLA families'
+plans do; Qwen4Exp's leaves them whole and works under ``tp_plan="auto"``).
 """
 
 from __future__ import annotations
