@@ -281,7 +281,8 @@ def _score_kernel(scores, q, head_weights, cache, page_stride, base, per_page, t
     pool slot ``s`` of page ``n`` (this layer) starts at ``cache[n*page_stride + base + s*D]``.
 
     Task = (sequence, chunk of its pools): each group of the sequence's rows
-    runs over the chunk's pooled keys page by page, read in place through the
+    runs over the chunk's pooled keys it sees (none: the group is skipped),
+    page by page, read in place through the
     page table (:func:`._tile_ops.dots_of_rows`); a row's score is
     ``sum_h w_h * relu(dot_h)`` summed in head order. ``q_t[group]``
     holds a row group's queries transposed, ``[D, lanes]``, zero padding lanes.
@@ -297,18 +298,23 @@ def _score_kernel(scores, q, head_weights, cache, page_stride, base, per_page, t
         lane_dots = np.empty((group_lanes, KEYS_PER_TASK + KEYS_PER_TILE), np.float32)
         for r0 in range(first_row, end_row, group_rows):
             r1 = min(r0 + group_rows, end_row)
+            needed = 0  # the group's pools in this chunk: none for rows before it (a causal prefill's first rows)
+            for r in range(r0, r1):
+                needed = max(needed, min(chunk, visible[r] - p0))
+            if needed <= 0:
+                continue
             lanes = ((r1 - r0) * heads + VECTOR - 1) // VECTOR * VECTOR
             group_q = q_t[group_starts[b] + (r0 - first_row) // group_rows]
             column = 0
-            while column < chunk:  # page by page: a page's pools are consecutive rows
+            while column < needed:  # page by page: a page's pools are consecutive rows
                 pool = p0 + column
                 slot = pool % per_page
-                run = min(per_page - slot, chunk - column)
+                run = min(per_page - slot, needed - column)
                 start = table[b, pool // per_page] * page_stride + base + slot * dim
                 dots_of_rows(dots[column:], group_q, cache[start : start + run * dim].reshape((run, dim)), lanes,
                              scratch)
                 column += run
-            transpose_dots(dots, lane_dots, chunk, lanes)  # each lane's pools contiguous: vectorised below
+            transpose_dots(dots, lane_dots, needed, lanes)  # each lane's pools contiguous: vectorised below
             for r in range(r0, r1):
                 seen = max(0, min(chunk, visible[r] - p0))
                 relu_sums(scores[r, p0 : p0 + seen], lane_dots, (r - r0) * heads, heads, head_weights[r])

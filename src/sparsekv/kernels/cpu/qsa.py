@@ -219,11 +219,16 @@ def _block_score_kernel(scores, q, keys, offsets, positions, ratio, max_blocks, 
         lane_dots = np.empty((group_lanes, KEYS_PER_TASK + KEYS_PER_TILE), np.float32)
         for r0 in range(first_row, end_row, group_rows):
             r1 = min(r0 + group_rows, end_row)
+            needed = 0  # the group's blocks in this chunk: none for rows before it (a causal prefill's first rows)
+            for r in range(r0, r1):
+                needed = max(needed, min(chunk, visible[r] - g0))
+            if needed <= 0:
+                continue
             lanes = ((r1 - r0) * heads + VECTOR - 1) // VECTOR * VECTOR
-            dots_of_rows(dots, q_t[group_starts[b] + (r0 - first_row) // group_rows], rows, lanes, scratch)
+            dots_of_rows(dots, q_t[group_starts[b] + (r0 - first_row) // group_rows], rows[:needed], lanes, scratch)
             # each lane's keys contiguous: the relu-sum over heads below runs vectorised over
             # keys, each key's sum still h = 0 .. H-1 (per key with a stride, it was 35% of the call)
-            transpose_dots(dots, lane_dots, chunk, lanes)
+            transpose_dots(dots, lane_dots, needed, lanes)
             for r in range(r0, r1):
                 totals = scores[r, g0 : g0 + max(0, min(chunk, visible[r] - g0))]
                 relu_sums(totals, lane_dots, (r - r0) * heads, heads, unit_weights)
