@@ -192,6 +192,12 @@ def indexed_layers(config: transformers.PreTrainedConfig) -> list[int]:
     return [i for i, kind in enumerate(config.get_text_config().layer_types) if kind == "indexed_attention"]
 
 
+def selection_width(config: transformers.PreTrainedConfig) -> int:
+    """Tokens an indexed layer selects at most (Qwen4Exp's budget, the DSA top-k)."""
+    text = config.get_text_config()
+    return text.indexer_budget if hasattr(text, "indexer_budget") else text.index_topk
+
+
 def describe(config: transformers.PreTrainedConfig) -> str:
     """The attention shapes of ``config``, one line."""
     text = config.get_text_config()
@@ -331,12 +337,16 @@ def main() -> None:
         models = {name: family.model_class.from_pretrained(path, dtype=dtype, attn_implementation=name).eval()
                   for name in impls}
         patched = patch_model(family.model_class.from_pretrained(path, dtype=dtype).eval(),
-                              page_size=128, num_pages=args.batch * (max(contexts) + args.decode_steps) // 128 + 8)
+                              page_size=128, num_pages=args.batch * (max(*contexts, selection_width(config) + 80)
+                                                            + args.decode_steps) // 128 + 8)
     timers = {name: AttentionTimer(family.decoder_layers(model), indexed)
               for name, model in {**models, "sparsekv": patched}.items()}
     warm = torch.randint(0, vocab, (args.batch, 80))
     for name, model in {**models, "sparsekv": patched}.items():
         run_case(model, timers[name], warm[:, :64], warm[:, 64:66])  # first calls: kernel compiles, allocations
+    # a prompt past the selection width: the patched indexers' compress, score and select kernels load too
+    selecting = torch.randint(0, vocab, (args.batch, selection_width(config) + 80))
+    run_case(patched, timers["sparsekv"], selecting[:, :-2], selecting[:, -2:])
     set_threads(args.threads)
 
     rows = []
