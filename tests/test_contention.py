@@ -180,7 +180,8 @@ def test_cores_taken_now_counts_runnable_tasks():
 
 @pytest.mark.parametrize(("taken", "tries"), [(True, False), (None, True), (False, True)])
 def test_a_try_waits_while_other_processes_take_the_cores(taken, tries):
-    """When the backoff has passed, a machine still busy (confirmed) gets another backoff instead of a try."""
+    """When the backoff has passed, a machine still busy (confirmed) gets another, longer backoff instead of a
+    try."""
     asked, answer = [], [True]
     policy = ContentionPolicy(first_backoff=0.1, first_calls=2,
                               cores_taken=lambda threads: asked.append(threads) or answer[0])
@@ -192,7 +193,7 @@ def test_a_try_waits_while_other_processes_take_the_cores(taken, tries):
     assert policy.allow_parallel(1.2, 3) is tries
     assert asked == [3]
     if not tries:
-        assert policy.level == 1 and policy.serial_until == pytest.approx(1.2 + 0.2)
+        assert policy.level == 2 and policy.serial_until == pytest.approx(1.2 + 0.4)
 
 
 def test_threads_check_times_ours_against_one_thread_only():

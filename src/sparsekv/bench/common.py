@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -133,10 +134,13 @@ def time_interleaved(calls: dict[str, Callable[[], object]], *, rounds: int = 9,
                      device: torch.device | str | None = None, round_ms: float = 2.0) -> dict[str, float]:
     """Median per-call time (ms) of every call, measured in interleaved rounds.
 
-    Each round runs every call in turn: once untimed (so that every call is
-    timed with its own data in cache, however long it is), then timed, a
-    call under ``round_ms`` several times back to back (their mean is that
-    round's sample). A machine that slows down or speeds up during the run
+    Each round runs every call in turn, in an order shuffled each round (with
+    a fixed seed): once untimed (so that every call is timed with its own
+    data in cache, however long it is), then timed, a call under
+    ``round_ms`` several times back to back (their mean is that round's
+    sample). The shuffle keeps a periodic disturbance (another process's
+    scheduler slice, which on a loaded machine comes every few milliseconds)
+    from falling on the same call in every round. A machine that slows down or speeds up during the run
     then shifts every column alike, so the ratios between ours and the peers
     stay fair; timing one call's repeats before the next call's would put the
     drift into the ratio. A :class:`SelfTimedPeer` takes its turn the same way
@@ -148,13 +152,16 @@ def time_interleaved(calls: dict[str, Callable[[], object]], *, rounds: int = 9,
         elapsed_ms = _round_ms(fn, 1, device)
         repeats[name] = max(1, min(100, int(round_ms / max(elapsed_ms, 1e-3))))
     samples: dict[str, list[float]] = {name: [] for name in calls}
+    order = list(calls)
+    shuffle = random.Random(0).shuffle
     for _ in range(rounds):
-        for name, fn in calls.items():
-            samples[name].append(_round_ms(fn, repeats[name], device))
+        shuffle(order)
+        for name in order:
+            samples[name].append(_round_ms(calls[name], repeats[name], device))
     return {name: statistics.median(times) for name, times in samples.items()}
 
 
-THREADS_CHECK_ROUNDS = 40
+THREADS_CHECK_ROUNDS = 120
 """Rounds of a threads check: ours against :func:`one_thread` alone (``--threads-check``). Other peers in the
 rounds, another process's threads above all, disturb a comparison of two calls of a millisecond."""
 

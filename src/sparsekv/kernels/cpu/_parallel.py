@@ -159,12 +159,15 @@ class ContentionPolicy:
 
         When a backoff has passed, ``cores_taken`` (if given) is asked first:
         while other processes still take the cores, the policy stays on one
-        thread for another backoff at the same level instead of trying, since
-        a failed try costs up to a scheduler slice.
+        thread for another backoff, one level longer, instead of trying, since
+        a failed try costs up to a scheduler slice (and the question itself
+        about a millisecond when the cores are taken: it is asked rarely on a
+        machine that stays busy).
         """
         if now >= self.serial_until and self.serial_calls <= 0:
             if self.level == 0 or self.cores_taken is None or not self.cores_taken(threads):
                 return True
+            self.level = min(self.level + 1, self.max_level)
             self._back_off(now)
         self.serial_calls -= 1
         return False

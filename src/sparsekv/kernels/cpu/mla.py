@@ -225,8 +225,8 @@ def mla_sparse_attention_paged(out, lse, q, blocks, lookup_table, indices, count
     lse_target = lse if lse.is_contiguous() else torch.empty_like(lse, memory_format=torch.contiguous_format)
     cache, page_stride, base = flat_plane(blocks, 0, layer)
     work = int(counts.clamp(min=0).sum()) * q_heads * (dim + out.shape[2])
-    heads_per_task = _heads_per_task(total_q, q_heads)
-    with threads_for(work):
+    with threads_for(work):  # the split follows the threads the block gets (one while the cores are taken)
+        heads_per_task = _heads_per_task(total_q, q_heads)
         _mla_attention_kernel(as_numba(target), lse_target.numpy(), as_numba(q.contiguous()), cache, page_stride,
                               base, blocks.shape[3], lookup_table.numpy(), indices.numpy(), counts.numpy(),
                               seq_of_row, float(scale), heads_per_task,
