@@ -372,3 +372,27 @@ def test_score_raising_call_leaves_out_untouched(backend, monkeypatch):
     with pytest.raises(ValueError, match=rf"is {coll.num_pages + 2}, outside \[0, {coll.num_pages}\)"):
         mla_kpool_score(q, w, broken, 1, positions, offsets, kpool=4, out=out)
     assert bool(out.isnan().all()), "wrote before raising"
+
+
+def test_score_cpu_causal_prefill_rows_that_end_before_a_task():
+    """A causal prefill over several tasks of pools (128 each): the first rows see none of the later tasks'
+    pools (their row groups skip them); CPU scores match the reference and each row's bits alone."""
+    gen = torch.Generator().manual_seed(12)
+    kpool, dim, heads = 2, 32, 5
+    pooled_keys = [torch.randn(300, dim, generator=gen)]
+    blocks, table = fill_pooled_cache(pooled_keys, kpool, 16, layer=0, num_layers=1, gen=gen)
+    positions = torch.tensor([1, 9, 200, 255, 256, 257, 511, 512, 598, 599], dtype=torch.int32)
+    q = torch.randn(len(positions), heads, dim, generator=gen)
+    w = torch.randn(len(positions), heads, generator=gen) / heads
+    offsets = torch.tensor([0, len(positions)], dtype=torch.int32)
+    args = (blocks, table, positions, offsets, kpool, 0)
+    got, want = torch.full((len(positions), 300), float("nan")), torch.full((len(positions), 300), float("nan"))
+    cpu.mla_kpool_score(got, q, w, *args)
+    ref.mla_kpool_score(want, q, w, *args)
+    _, terms = brute_force_scores(q, w, pooled_keys, [0] * len(positions), positions.tolist(), kpool, 300)
+    assert_scores_close(got, want, terms)
+    for r in range(len(positions)):
+        alone = torch.full((1, 300), float("nan"))
+        cpu.mla_kpool_score(alone, q[r : r + 1], w[r : r + 1], blocks, table, positions[r : r + 1],
+                            torch.tensor([0, 1], dtype=torch.int32), kpool, 0)
+        assert torch.equal(alone, got[r : r + 1]), f"row {r} alone differs"

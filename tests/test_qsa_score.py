@@ -156,3 +156,21 @@ def test_cpu_many_keys_and_rows_equals_reference_and_rows_alone(heads):
                      offsets=torch.tensor([0, 1], dtype=torch.int32),
                      block_keys=case["block_keys"][seq * max_blocks : (seq + 1) * max_blocks])
         assert torch.equal(run_kernel(cpu_qsa.qsa_block_score, alone)[0], got[r]), f"row {r} alone differs"
+
+
+def test_cpu_causal_prefill_rows_that_end_before_a_task():
+    """A causal prefill over several tasks of keys: the first rows see none of the later tasks' blocks (their
+    row groups skip those tasks); every row matches the reference and its own bits alone."""
+    generator = torch.Generator().manual_seed(11)
+    dim, ratio, max_blocks, heads = 24, 2, 300, 4
+    positions = torch.tensor([0, 5, 60, 254, 255, 256, 257, 400, 598, 599], dtype=torch.int32)
+    case = {"q": torch.randn(len(positions), heads, dim, generator=generator),
+            "block_keys": torch.randn(max_blocks, dim, generator=generator), "positions": positions,
+            "offsets": torch.tensor([0, len(positions)], dtype=torch.int32), "ratio": ratio,
+            "scale": math.sqrt(dim), "out_cols": max_blocks}
+    got = run_kernel(cpu_qsa.qsa_block_score, case)
+    assert_spec_close(got, run_kernel(ref_qsa.qsa_block_score, case), what="cpu vs reference")
+    for r in range(len(positions)):
+        alone = dict(case, q=case["q"][r : r + 1], positions=positions[r : r + 1],
+                     offsets=torch.tensor([0, 1], dtype=torch.int32))
+        assert torch.equal(run_kernel(cpu_qsa.qsa_block_score, alone)[0], got[r]), f"row {r} alone differs"

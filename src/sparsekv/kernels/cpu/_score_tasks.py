@@ -2,8 +2,9 @@
 
 :func:`plan_score_tasks` turns a batch (``offsets``, each row's visible keys)
 into tasks and transposed query groups; :func:`score_task` says which rows and
-keys one task covers; :func:`relu_sums` is the weighted ReLU sum over heads
-that both score epilogues end with.
+keys one task covers, :func:`keys_seen` how many of them a row group needs;
+:func:`relu_sums` is the weighted ReLU sum over heads that both score
+epilogues end with.
 """
 
 from __future__ import annotations
@@ -66,6 +67,17 @@ def score_task(task, task_starts, num_keys, offsets):
     b = np.searchsorted(task_starts, task, side="right") - 1
     key0 = (task - task_starts[b]) * KEYS_PER_TASK
     return b, offsets[b], offsets[b + 1], key0, min(KEYS_PER_TASK, num_keys[b] - key0)
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def keys_seen(visible, r0, r1, key0, chunk):
+    """How many of a task's keys ``key0 .. key0 + chunk - 1`` rows ``r0 .. r1 - 1`` see together (``visible[r]``
+    keys each): a row group computes dots for those only, none where every row ends before the chunk (the
+    first rows of a causal prefill)."""
+    seen = 0
+    for r in range(r0, r1):
+        seen = max(seen, min(chunk, visible[r] - key0))
+    return seen
 
 
 @numba.njit(cache=True, nogil=True, inline="always")

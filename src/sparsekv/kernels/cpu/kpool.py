@@ -52,7 +52,7 @@ from numba.extending import overload
 
 from ..reference.kpool import score_page_error
 from ._bits import as_numba, narrow, widen
-from ._score_tasks import plan_score_tasks, relu_sums, score_task
+from ._score_tasks import keys_seen, plan_score_tasks, relu_sums, score_task
 from ._tile_ir import KEYS_PER_TILE, VECTOR
 from ._tile_ops import KEYS_PER_TASK, dots_of_rows, new_scratch, transpose_dots
 from ._math import exp_f32
@@ -298,9 +298,7 @@ def _score_kernel(scores, q, head_weights, cache, page_stride, base, per_page, t
         lane_dots = np.empty((group_lanes, KEYS_PER_TASK + KEYS_PER_TILE), np.float32)
         for r0 in range(first_row, end_row, group_rows):
             r1 = min(r0 + group_rows, end_row)
-            needed = 0  # the group's pools in this chunk: none for rows before it (a causal prefill's first rows)
-            for r in range(r0, r1):
-                needed = max(needed, min(chunk, visible[r] - p0))
+            needed = keys_seen(visible, r0, r1, p0, chunk)
             if needed <= 0:
                 continue
             lanes = ((r1 - r0) * heads + VECTOR - 1) // VECTOR * VECTOR

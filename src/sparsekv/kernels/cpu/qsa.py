@@ -63,7 +63,7 @@ from numba import prange
 from ..._checks import check_freqs_cis_rows
 from ...cache.layout import page_error
 from ._bits import as_numba, narrow, widen
-from ._score_tasks import plan_score_tasks, relu_sums, score_task
+from ._score_tasks import keys_seen, plan_score_tasks, relu_sums, score_task
 from ._tile_ir import KEYS_PER_TILE, SQUARE_SUM_ROWS, VECTOR, WEIGHTED_CHANNELS
 from ._tile_ops import (KEYS_PER_TASK, dots_of_gathered_rows, dots_of_rows, gather_rows, new_scratch,
                         new_value_scratch, square_sums_in_order, transpose_dots, weighted_rows)
@@ -219,9 +219,7 @@ def _block_score_kernel(scores, q, keys, offsets, positions, ratio, max_blocks, 
         lane_dots = np.empty((group_lanes, KEYS_PER_TASK + KEYS_PER_TILE), np.float32)
         for r0 in range(first_row, end_row, group_rows):
             r1 = min(r0 + group_rows, end_row)
-            needed = 0  # the group's blocks in this chunk: none for rows before it (a causal prefill's first rows)
-            for r in range(r0, r1):
-                needed = max(needed, min(chunk, visible[r] - g0))
+            needed = keys_seen(visible, r0, r1, g0, chunk)
             if needed <= 0:
                 continue
             lanes = ((r1 - r0) * heads + VECTOR - 1) // VECTOR * VECTOR
