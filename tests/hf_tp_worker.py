@@ -53,4 +53,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:  # a rank that exits with gloo's threads still up aborts ("terminate called without an active exception")
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
