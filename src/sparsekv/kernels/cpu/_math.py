@@ -99,7 +99,6 @@ def scaled_softmax_in_place(logits, count, lanes, scale):
     return row_max, denom
 
 
-
 @numba.njit(cache=True, nogil=True, error_model="numpy")
 def scaled_softmax_of_members(logits, count, selected, scale):
     """:func:`scaled_softmax_in_place` where lane ``l`` counts only the keys ``n`` with ``selected[n, l]``

@@ -60,14 +60,29 @@ __all__ = ["mla_sparse_attention_paged"]
 
 
 @numba.njit(cache=True, nogil=True)
-def _weigh_values(acc, weights, cache, starts, count, v_dim, lanes_used):
-    """``acc[l] += sum_n weights[n, l] * row_n[:v_dim]`` over the ``count`` latent rows that start at
-    ``starts`` (rows in order, ``KEYS_PER_TASK`` gathered at a time with a prefetch ahead)."""
-    values = new_value_scratch(cache, v_dim, acc.shape[1])  # bf16 stays bits; padding channels 0
+def _attend_positions(q_t, positions, table_row, cache, page_stride, base, page_size, dim, scale, selected,
+                      lanes_used, v_dim, padded_v):
+    """One pass of the query tile ``q_t`` (``lanes`` wide) over the latent rows (``dim`` channels) at
+    ``positions`` of one sequence: Q.K where the rows lie, the softmax per lane (``selected [count, lanes]``:
+    only the keys each lane counts, :func:`._math.scaled_softmax_of_members`; ``None``: every key), then P.V
+    over the rows' first ``v_dim`` channels, ``KEYS_PER_TASK`` gathered at a time with a prefetch ahead.
+    Returns the unnormalised ``acc [lanes, padded_v]`` and the lanes' ``row_max`` and ``denom``."""
+    count, lanes = positions.shape[0], q_t.shape[1]
+    logits = np.empty((count + KEYS_PER_TILE, lanes), np.float32)
+    starts = np.empty(count + 2 * KEYS_PER_TILE, np.int64)
+    token_starts(starts, positions, table_row, page_size, page_stride, base, 1, 0, dim)
+    dots_of_gathered_rows(logits, q_t, cache, starts, count, dim, lanes, new_scratch(cache, dim))
+    if selected is None:
+        row_max, denom = scaled_softmax_in_place(logits, count, lanes, scale)
+    else:
+        row_max, denom = scaled_softmax_of_members(logits, count, selected, scale)
+    acc = np.zeros((lanes, padded_v), np.float32)
+    values = new_value_scratch(cache, v_dim, padded_v)  # bf16 stays bits; padding channels 0
     for n0 in range(0, count, KEYS_PER_TASK):
         rows = min(KEYS_PER_TASK, count - n0)
         gather_rows(values, cache, starts[n0:], rows, v_dim)  # the rows' first v_dim channels
-        weighted_rows(acc, weights[n0:], values, lanes_used, rows)
+        weighted_rows(acc, logits[n0:], values, lanes_used, rows)
+    return acc, row_max, denom
 
 
 @numba.njit(cache=True, nogil=True)
@@ -92,13 +107,8 @@ def _attend_heads(out, lse, q, cache, page_stride, base, page_size, table, indic
         zero_heads(out, lse, r, h0, group)
         return
     q_t = query_tile_of_heads(q, r, h0, group, lanes)
-    logits = np.empty((count + KEYS_PER_TILE, lanes), np.float32)
-    starts = np.empty(count + 2 * KEYS_PER_TILE, np.int64)
-    token_starts(starts, indices[r, :count], table[seq_of_row[r]], page_size, page_stride, base, 1, 0, dim)
-    dots_of_gathered_rows(logits, q_t, cache, starts, count, dim, lanes, new_scratch(cache, dim))
-    row_max, denom = scaled_softmax_in_place(logits, count, lanes, scale)
-    acc = np.zeros((lanes, padded_v), np.float32)
-    _weigh_values(acc, logits, cache, starts, count, out.shape[2], group)
+    acc, row_max, denom = _attend_positions(q_t, indices[r, :count], table[seq_of_row[r]], cache, page_stride, base,
+                                            page_size, dim, scale, None, group, out.shape[2], padded_v)
     _write_heads(out, lse, acc, row_max, denom, r, h0, 0, group)
 
 
@@ -159,13 +169,8 @@ def _attend_packed_rows(out, lse, q, cache, page_stride, base, page_size, table,
     for j in range(rows):
         for h in range(heads):
             put_query(q_t, j * heads + h, q[r0 + j, h])
-    logits = np.empty((size + KEYS_PER_TILE, lanes), np.float32)
-    starts = np.empty(size + 2 * KEYS_PER_TILE, np.int64)
-    token_starts(starts, merged[:size], table[b], page_size, page_stride, base, 1, 0, dim)
-    dots_of_gathered_rows(logits, q_t, cache, starts, size, dim, lanes, new_scratch(cache, dim))
-    row_max, denom = scaled_softmax_of_members(logits, size, selected, scale)
-    acc = np.zeros((lanes, padded_v), np.float32)
-    _weigh_values(acc, logits, cache, starts, size, out.shape[2], rows * heads)
+    acc, row_max, denom = _attend_positions(q_t, merged[:size], table[b], cache, page_stride, base, page_size, dim,
+                                            scale, selected[:size], rows * heads, out.shape[2], padded_v)
     for j in range(rows):
         _write_heads(out, lse, acc, row_max, denom, r0 + j, 0, j * heads, heads)
     return True
