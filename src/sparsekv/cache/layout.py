@@ -26,6 +26,7 @@ write through a sentinel or any entry outside ``[0, num_pages)`` raises a
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -117,16 +118,20 @@ def resolve_pages(
     page_size: int,
     seq_ids: torch.Tensor,
     positions: torch.Tensor,
+    error: Callable[[int, int], Exception] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Map (sequence, position) pairs to (physical page, row in page), validated.
 
     Args:
         lookup_table: ``[B, max_pages]`` int32 (sentinel ``-1``).
         seq_ids, positions: int tensors of the same shape.
+        error: ``error(seq, position)`` builds the exception for a pair
+            without a valid page, for a caller whose positions mean something
+            else to its user (e.g. pool ids); default :func:`page_error`.
 
-    Returns int64 ``pages`` and ``rows`` of that shape. Raises
-    :func:`page_error` for the first (sequence, position) whose page is
-    negative, beyond the table, a sentinel or outside ``[0, num_pages)``.
+    Returns int64 ``pages`` and ``rows`` of that shape. Raises ``error`` for
+    the first (sequence, position) whose page is negative, beyond the table,
+    a sentinel or outside ``[0, num_pages)``.
     """
     seq_ids = seq_ids.to(torch.int64)
     positions = positions.to(torch.int64)
@@ -138,8 +143,10 @@ def resolve_pages(
     valid = in_table & (pages >= 0) & (pages < num_pages)
     if not bool(valid.all()):
         bad = int(torch.nonzero(~valid.reshape(-1))[0])
-        raise page_error(lookup_table, num_pages, page_size, int(seq_ids.reshape(-1)[bad]),
-                         int(positions.reshape(-1)[bad]))
+        seq, position = int(seq_ids.reshape(-1)[bad]), int(positions.reshape(-1)[bad])
+        if error is not None:
+            raise error(seq, position)
+        raise page_error(lookup_table, num_pages, page_size, seq, position)
     return pages, positions % page_size
 
 

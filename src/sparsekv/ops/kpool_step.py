@@ -15,7 +15,7 @@ import torch
 
 from .._checks import as_index_tensor, check_int, check_nonnegative, check_tensor
 from .._env import host_checks
-from ..cache.layout import PagedKVCacheCollection, page_problem, ragged_rows
+from ..cache.layout import PagedKVCacheCollection, page_problem, ragged_rows, resolve_pages
 from .cache import paged_store
 from .kpool import kpool_pool_row_offsets, mla_kpool_compress, mla_kpool_ring_close, mla_kpool_seed_tail
 
@@ -111,8 +111,10 @@ def _plan_pooled_store(pooled_collection: PagedKVCacheCollection, layer_idx: int
     host = host_checks(pc.device)
     offsets = view.check_store(values, entry_offsets, layer_idx=layer_idx, plane=0, check_values=host)
     if host:
-        _check_pool_pages(view, seq_of_entry, pool_lengths.to(torch.int64)[seq_of_entry] + local, cache_lengths,
-                          kpool)
+        resolve_pages(view.lookup_table, view.num_pages, view.page_size, seq_of_entry,
+                      pool_lengths.to(torch.int64)[seq_of_entry] + local,
+                      error=lambda seq, pool: pooled_page_error(view.lookup_table, view.num_pages, view.page_size,
+                                                                cache_lengths, kpool, seq, pool))
     return _PooledStore(view, values, offsets)
 
 
@@ -128,21 +130,6 @@ def pooled_page_error(lookup_table: torch.Tensor, num_pages: int, pools_per_page
         f"pooled cache: sequence {seq} (cache_lengths[{seq}] = {int(cache_lengths[seq])}) stores pool {pool} "
         f"(positions {first}..{first + kpool - 1}), which has no page: "
         f"{page_problem(lookup_table, num_pages, pools_per_page, seq, pool)}")
-
-
-def _check_pool_pages(view: PagedKVCacheCollection, seq_of_entry: torch.Tensor, pool_ids: torch.Tensor,
-                      cache_lengths: torch.Tensor, kpool: int) -> None:
-    """Raise :func:`pooled_page_error` for the first entry (int64 ``seq_of_entry``/``pool_ids``, ``[entries]``)
-    whose pool has no valid page in ``view`` (one row per pool)."""
-    table, per_page = view.lookup_table, view.page_size
-    logical = torch.div(pool_ids, per_page, rounding_mode="floor")
-    in_table = logical < table.shape[1]
-    pages = table[seq_of_entry, torch.where(in_table, logical, torch.zeros_like(logical))].to(torch.int64)
-    valid = in_table & (pages >= 0) & (pages < view.num_pages)
-    if not bool(valid.all()):
-        bad = int(torch.nonzero(~valid)[0])
-        raise pooled_page_error(table, view.num_pages, per_page, cache_lengths, kpool, int(seq_of_entry[bad]),
-                                int(pool_ids[bad]))
 
 
 class KPoolStep(NamedTuple):
