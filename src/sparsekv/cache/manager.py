@@ -89,14 +89,14 @@ def _token_array(name: str, token_ids: object) -> array:
             tokens.frombytes(struct.pack(f"{len(token_ids)}q", *token_ids))
         except struct.error:
             tokens = None
-    try:
-        if tokens is None:
+    if tokens is None:
+        try:
             tokens = array("q", token_ids)
-    except TypeError:
-        raise TypeError(f"{name}: expected integer token ids, got {token_ids!r:.80}") from None
-    except OverflowError:
-        too_large = next(t for t in token_ids if not -(2**63) <= t < 2**63)
-        raise ValueError(f"{name}: expected token ids in [0, 2**63), got {too_large}") from None
+        except TypeError:
+            raise TypeError(f"{name}: expected integer token ids, got {token_ids!r:.80}") from None
+        except OverflowError:
+            too_large = next(t for t in token_ids if not -(2**63) <= t < 2**63)
+            raise ValueError(f"{name}: expected token ids in [0, 2**63), got {too_large}") from None
     if tokens:
         smallest = int(np.frombuffer(tokens, dtype=np.int64).min())  # 40x faster than min() over the array
         if smallest < 0:
