@@ -42,10 +42,10 @@ scores, GLM-5-Next: the same over pools of 16 keys), and eager attention
 materialises ``[heads, queries, keys]`` float32 weights: the unpatched model
 is skipped above ``--hf-max-context`` and eager's prefill above
 ``--eager-max-context`` (eager's decode steps are still timed there, after a
-prefill through sdpa into the same cache; memory; the defaults depend on the family: the DSA indexers' scores make
-the unpatched prefill's peak about 6 GB for ``glm_moe_dsa`` and 10 GB for
-``deepseek_v32`` at 4096 tokens, four times that at 8192), and long contexts
-take minutes unpatched. ``--impls ""`` times the patched model alone.
+prefill through sdpa into the same cache; memory; the defaults depend on the
+family: the DSA indexers' scores make the unpatched prefill's peak about 6 GB
+for ``glm_moe_dsa`` and 10 GB for ``deepseek_v32`` at 4096 tokens, four times
+that at 8192), and long contexts take minutes unpatched. ``--impls ""`` times the patched model alone.
 """
 
 from __future__ import annotations
@@ -336,16 +336,16 @@ def main() -> None:
         del model
         models = {name: family.model_class.from_pretrained(path, dtype=dtype, attn_implementation=name).eval()
                   for name in impls}
-        patched = patch_model(family.model_class.from_pretrained(path, dtype=dtype).eval(),
-                              page_size=128, num_pages=args.batch * (max(*contexts, selection_width(config) + 80)
-                                                            + args.decode_steps) // 128 + 8)
+        selecting_prompt = selection_width(config) + 80  # the warm-up prompt past the selection width (below)
+        patched = patch_model(family.model_class.from_pretrained(path, dtype=dtype).eval(), page_size=128,
+                              num_pages=args.batch * (max(*contexts, selecting_prompt) + args.decode_steps) // 128 + 8)
     timers = {name: AttentionTimer(family.decoder_layers(model), indexed)
               for name, model in {**models, "sparsekv": patched}.items()}
     warm = torch.randint(0, vocab, (args.batch, 80))
     for name, model in {**models, "sparsekv": patched}.items():
         run_case(model, timers[name], warm[:, :64], warm[:, 64:66])  # first calls: kernel compiles, allocations
     # a prompt past the selection width: the patched indexers' compress, score and select kernels load too
-    selecting = torch.randint(0, vocab, (args.batch, selection_width(config) + 80))
+    selecting = torch.randint(0, vocab, (args.batch, selecting_prompt))
     run_case(patched, timers["sparsekv"], selecting[:, :-2], selecting[:, -2:])
     set_threads(args.threads)
 

@@ -140,10 +140,10 @@ def time_interleaved(calls: dict[str, Callable[[], object]], *, rounds: int = 9,
     ``round_ms`` several times back to back (their mean is that round's
     sample). The shuffle keeps a periodic disturbance (another process's
     scheduler slice, which on a loaded machine comes every few milliseconds)
-    from falling on the same call in every round. A machine that slows down or speeds up during the run
-    then shifts every column alike, so the ratios between ours and the peers
-    stay fair; timing one call's repeats before the next call's would put the
-    drift into the ratio. A :class:`SelfTimedPeer` takes its turn the same way
+    from falling on the same call in every round. A machine that slows down
+    or speeds up during the run then shifts every column alike, so the ratios
+    between ours and the peers stay fair; timing one call's repeats before
+    the next call's would put the drift into the ratio. A :class:`SelfTimedPeer` takes its turn the same way
     and reports the time of its timed calls itself.
     """
     device = torch.device(device) if device is not None else None
