@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from test_qsa_cases import DTYPES, assert_spec_close, build_paged_cache, make_collection, poisoned
+from test_qsa_cases import DTYPES, assert_spec_close, build_paged_cache, make_collection, poisoned, prefill_selections
+from test_qsa_cases import check_rows_sharing_a_tile
 
 from sparsekv import mla_sparse_attention_paged
+from sparsekv.kernels.cpu import _sparse_attend as cpu_attend
 from sparsekv.kernels.cpu import mla as cpu_mla
 from sparsekv.kernels.cpu._parallel import numba_threads
 from sparsekv.kernels.reference import mla as ref_mla
@@ -96,8 +98,8 @@ def test_cpu_bits_do_not_depend_on_threads_head_chunks_or_batch(monkeypatch):
     case["q"] = torch.randn(case["q"].shape[0], 37, case["q"].shape[2]).to(case["q"].dtype)
     want_out, want_lse = run_kernel(cpu_mla.mla_sparse_attention_paged, case)
     for threads, heads_per_task in ((1, 16), (2, 32), (2, 37)):
-        monkeypatch.setattr(cpu_mla, "threads_for", lambda work, n=threads: numba_threads(n))
-        monkeypatch.setattr(cpu_mla, "_heads_per_task", lambda total_q, q_heads, h=heads_per_task: h)
+        monkeypatch.setattr(cpu_attend, "threads_for", lambda work, n=threads: numba_threads(n))
+        monkeypatch.setattr(cpu_attend, "heads_per_task", lambda total_q, kv_heads, group, h=heads_per_task: h)
         out, lse = run_kernel(cpu_mla.mla_sparse_attention_paged, case)
         assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
     offsets = case["offsets"].tolist()
@@ -111,31 +113,15 @@ def test_cpu_bits_do_not_depend_on_threads_head_chunks_or_batch(monkeypatch):
 
 
 def prefill_case(rng, dtype, heads):
-    """Prefill chunks of two sequences: each row selects increasing positions, every causal token while
-    they fit the width, else the best-scoring ones (scores shared by the sequence's rows plus noise of
-    each row, so that neighbours overlap as an indexer's do); in the second sequence a few rows select nothing or repeat
-    a position."""
+    """Prefill chunks of two sequences (:func:`test_qsa_cases.prefill_selections`)."""
     rank, rope, width = 32, 8, rng.choice([9, 24])
     cached, rows = [rng.randrange(0, 30), rng.randrange(0, 30)], [rng.randrange(16, 34), rng.randrange(1, 24)]
     lengths = [c + n for c, n in zip(cached, rows)]
     _, blocks, table = latent_cache(rng, lengths, rank + rope, dtype, page_size=rng.choice([16, 5]))
-    total_q = sum(rows)
-    indices = torch.full((total_q, width), 10**6, dtype=torch.int32)
-    counts = torch.zeros(total_q, dtype=torch.int32)
-    r = 0
-    for b, (c, n) in enumerate(zip(cached, rows)):
-        shared_scores = torch.rand(c + n)
-        for position in range(c, c + n):
-            scores = shared_scores[:position + 1] + 0.2 * torch.rand(position + 1)
-            chosen = sorted(scores.topk(min(width, position + 1)).indices.tolist())
-            if b == 1 and rng.random() < 0.2 and len(chosen) > 1:
-                chosen[1] = chosen[0]  # a duplicate: this row's group runs row by row
-            indices[r, :len(chosen)] = torch.tensor(chosen)
-            counts[r] = 0 if b == 1 and rng.random() < 0.1 else len(chosen)
-            r += 1
-    q = torch.randn(total_q, heads, rank + rope).to(dtype)
+    indices, counts = prefill_selections(rng, cached, rows, width)
+    q = torch.randn(sum(rows), heads, rank + rope).to(dtype)
     return {"q": q, "blocks": blocks, "table": table, "indices": indices, "counts": counts,
-            "offsets": torch.tensor([0, rows[0], total_q], dtype=torch.int32), "layer": 1,
+            "offsets": torch.tensor([0, rows[0], sum(rows)], dtype=torch.int32), "layer": 1,
             "scale": (rank + rope) ** -0.5, "v_head_dim": rank}
 
 
@@ -148,34 +134,22 @@ def test_rows_sharing_a_tile_give_the_bits_of_rows_alone(dtype, monkeypatch):
     rng = random.Random(seed)
     torch.manual_seed(seed)
     for heads in (1, 3, 8):
-        case = prefill_case(rng, dtype, heads)
-        packed_rows, width = 16 // heads, case["indices"].shape[1]
-        union = cpu_mla.merged_selection(case["indices"].numpy(), case["counts"].numpy(), 0, packed_rows, heads,
-                                         np.empty(packed_rows * width, np.int32),
-                                         np.zeros((packed_rows * width, 16), np.bool_))
-        entries = int(case["counts"][:packed_rows].sum())
-        assert 0 < 4 * union <= 3 * entries, "the first rows do not share a tile: the case tests nothing"
-        monkeypatch.setattr(cpu_mla, "_rows_per_task", lambda offsets, q_heads, per_task, n=packed_rows: n)
-        out, lse = run_kernel(cpu_mla.mla_sparse_attention_paged, case)
-        monkeypatch.setattr(cpu_mla, "_rows_per_task", lambda offsets, q_heads, per_task: 1)
-        alone_out, alone_lse = run_kernel(cpu_mla.mla_sparse_attention_paged, case)
-        assert torch.equal(out, alone_out) and torch.equal(lse, alone_lse)
-        want_out, want_lse = run_kernel(ref_mla.mla_sparse_attention_paged, case)
-        assert_spec_close(lse, want_lse, what="lse")
-        assert_spec_close(out, want_out, what="out", noise_floor=2.4e-4 if dtype == torch.float16 else 3e-5)
+        check_rows_sharing_a_tile(lambda case: run_kernel(cpu_mla.mla_sparse_attention_paged, case),
+                                  lambda case: run_kernel(ref_mla.mla_sparse_attention_paged, case),
+                                  prefill_case(rng, dtype, heads), heads, 16 // heads, monkeypatch)
 
 
 def test_merged_selection():
     indices = torch.tensor([[0, 2, 5, -1], [1, 2, 6, 7], [3, 3, 4, 9], [4, 2, 8, 9]], dtype=torch.int32).numpy()
     counts = np.array([3, 4, 3, 4], np.int32)
-    merged, selected = np.empty(8, np.int32), np.zeros((8, 4), np.bool_)
-    assert cpu_mla.merged_selection(indices, counts, 0, 2, 2, merged, selected) == 6
+    merged, selected = np.empty(8, np.int32), np.ones((8, 4), np.bool_)  # rows written are cleared first
+    assert cpu_attend.merged_selection(indices, counts, 0, 2, 2, merged, selected) == 6
     assert merged[:6].tolist() == [0, 1, 2, 5, 6, 7]
     assert selected[:6, ::2].tolist() == [[1, 0], [0, 1], [1, 1], [1, 0], [0, 1], [0, 1]]
     assert (selected[:6, 1::2] == selected[:6, ::2]).all()  # both heads of a row
     for r0 in (1, 2):  # a repeated position, then positions out of order: no shared tile
-        assert cpu_mla.merged_selection(indices, counts, r0, 2, 2, merged, np.zeros((8, 4), np.bool_)) == -1
-    assert cpu_mla.merged_selection(indices, np.array([3, 0, 3, 4], np.int32), 0, 2, 2, merged, selected) == -1
+        assert cpu_attend.merged_selection(indices, counts, r0, 2, 2, merged, np.zeros((8, 4), np.bool_)) == -1
+    assert cpu_attend.merged_selection(indices, np.array([3, 0, 3, 4], np.int32), 0, 2, 2, merged, selected) == -1
 
 
 # ---- against dense MLA in HF's expanded form ----------------------------------------

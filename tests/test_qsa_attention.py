@@ -8,7 +8,8 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
-from test_qsa_cases import DTYPES, assert_spec_close, build_paged_cache, make_collection, poisoned
+from test_qsa_cases import (DTYPES, assert_spec_close, build_paged_cache, check_rows_sharing_a_tile, make_collection,
+                            poisoned, prefill_selections)
 
 from sparsekv import (
     qsa_block_score,
@@ -154,6 +155,30 @@ def test_cpu_matches_reference(dtype):
     # about one seed in 200 (an output 3.3e-5 of the largest, 2 fp16 ulps = 0.5 float32 ulp of the largest)
     noise_floor = 2.4e-4 if dtype == torch.float16 else 3e-5
     assert_spec_close(torch.cat(outs), torch.cat(want_outs), what="out", noise_floor=noise_floor)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+def test_rows_sharing_a_tile_give_the_bits_of_rows_alone(dtype, monkeypatch):
+    """Prefill rows of KV heads with up to 8 query heads packed into one tile over the union of their
+    selections (16 lanes; 32 rows of one head, MLA's expanded form), gated or not: the bits of one row per
+    task, SPEC 4 against the reference."""
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    for kv_heads, group, packed_rows in ((3, 1, 32), (2, 5, 3), (1, 8, 2)):
+        dim, width = rng.choice([16, 37]), rng.choice([9, 24])
+        cached, rows = [rng.randrange(0, 30), rng.randrange(0, 30)], [rng.randrange(32, 50), rng.randrange(1, 24)]
+        lengths = [c + n for c, n in zip(cached, rows)]
+        _, _, blocks, table = main_cache(rng, lengths, kv_heads, dim, dtype, page_size=rng.choice([16, 5]))
+        indices, counts = prefill_selections(rng, cached, rows, width)
+        q = torch.randn(sum(rows), kv_heads * group, dim).to(dtype)
+        case = {"q": q, "blocks": blocks, "table": table, "indices": indices, "counts": counts,
+                "offsets": torch.tensor([0, rows[0], sum(rows)], dtype=torch.int32), "layer": 1,
+                "scale": dim ** -0.5, "gate": torch.randn_like(q) if rng.random() < 0.5 else None}
+        check_rows_sharing_a_tile(lambda case: run_kernel(cpu_qsa.qsa_sparse_attention_paged, case),
+                                  lambda case: run_kernel(ref_qsa.qsa_sparse_attention_paged, case),
+                                  case, group, packed_rows, monkeypatch)
 
 
 def test_gate_duplicates_and_lse():

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import torch
 from spec4 import assert_spec_close
 
 from sparsekv import PagedKVCacheCollection
+from sparsekv.kernels.cpu import _sparse_attend as cpu_attend
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -75,6 +77,50 @@ def random_key_counts(rng: random.Random, batch: int, ratio: int, max_len: int =
              lambda: ratio * rng.randrange(1, max_len // ratio + 1),
              lambda: rng.randrange(0, max_len + 1)]
     return [rng.choice(kinds)() for _ in range(batch)]
+
+
+def prefill_selections(rng: random.Random, cached: list[int], rows: list[int], width: int):
+    """``(indices, counts)`` of prefill chunks (``rows[b]`` new rows after ``cached[b]`` tokens): each row
+    selects increasing positions, every causal token while they fit ``width``, else the best-scoring ones
+    (scores shared by the sequence's rows plus noise of each row, so that neighbours overlap as an
+    indexer's do); in the second sequence a few rows select nothing or repeat a position."""
+    total_q = sum(rows)
+    indices = torch.full((total_q, width), 10**6, dtype=torch.int32)  # never read: past the counts
+    counts = torch.zeros(total_q, dtype=torch.int32)
+    r = 0
+    for b, (c, n) in enumerate(zip(cached, rows)):
+        shared_scores = torch.rand(c + n)
+        for position in range(c, c + n):
+            scores = shared_scores[:position + 1] + 0.2 * torch.rand(position + 1)
+            chosen = sorted(scores.topk(min(width, position + 1)).indices.tolist())
+            if b == 1 and rng.random() < 0.2 and len(chosen) > 1:
+                chosen[1] = chosen[0]  # a duplicate: this row's group runs row by row
+            indices[r, :len(chosen)] = torch.tensor(chosen)
+            counts[r] = 0 if b == 1 and rng.random() < 0.1 else len(chosen)
+            r += 1
+    return indices, counts
+
+
+def check_rows_sharing_a_tile(run, reference, case, group, packed_rows, monkeypatch):
+    """``run(case)`` with ``packed_rows`` rows per tile (three such groups per task) gives the bits of one row
+    per task, and SPEC 4 against ``reference(case)``; fails when the first rows would not share a tile (the
+    case would test nothing)."""
+    width = case["indices"].shape[1]
+    assert packed_rows <= int(case["offsets"][1]), "the first sequence is shorter than a packed group"
+    union = cpu_attend.merged_selection(case["indices"].numpy(), case["counts"].numpy(), 0, packed_rows, group,
+                                        np.empty(packed_rows * width, np.int32),
+                                        np.empty((packed_rows * width, packed_rows * group), np.bool_))
+    entries = int(case["counts"][:packed_rows].sum())
+    assert 0 < 4 * union <= 3 * entries, "the first rows do not share a tile: the case tests nothing"
+    monkeypatch.setattr(cpu_attend, "rows_per_task", lambda offsets, kv_heads, group, per_task, n=packed_rows: n)
+    monkeypatch.setattr(cpu_attend, "groups_per_task", lambda total_q, kv_heads, rows: 3)  # groups of both sequences
+    out, lse = run(case)
+    monkeypatch.setattr(cpu_attend, "rows_per_task", lambda offsets, kv_heads, group, per_task: 1)
+    alone_out, alone_lse = run(case)
+    assert torch.equal(out, alone_out) and torch.equal(lse, alone_lse)
+    want_out, want_lse = reference(case)
+    assert_spec_close(lse, want_lse, what="lse")
+    assert_spec_close(out, want_out, what="out", noise_floor=2.4e-4 if case["q"].dtype == torch.float16 else 3e-5)
 
 
 def poisoned(shape, dtype) -> torch.Tensor:

@@ -25,18 +25,20 @@ What each kernel is made of, and why (measured with ``benchmarks/bench_qsa.py``)
   BLAS GEMM does not promise that (``torch.mm`` rounds a row differently as
   the row count changes). That order differs from the reference's separate
   products and sums within SPEC 4.
-* sparse attention: one task per (row, KV head) computes the whole query
-  group's logits with the block-score tile (the group's heads as lanes) on
-  the selected keys where they lie in the pages (their flat starts from the
-  page table; each tile prefetches the next tile's keys), the softmax per
-  head with a vectorised float32 ``exp`` (:func:`._math.exp_f32`), and ``P @
-  V`` with a second register tile (:func:`._tile_ops.weighted_rows`: 8 heads
-  x 32 channels of accumulators, tokens in order) on values gathered 128 at
-  a time with a prefetch 8 tokens ahead, then divides once. Nothing the size
-  of the history is materialised; dense SDPA would read all of it. Keys read
-  in place instead of gathered first: 1.3-1.4x faster (bf16/fp32); the
-  value prefetch another 5-15%. (The first version, with accumulators in
-  memory and a libm ``exp`` per weight, was 4x slower.)
+* sparse attention (:mod:`._sparse_attend`, shared with MLA): one task per
+  (row, KV head) computes the whole query group's logits with the
+  block-score tile (the group's heads as lanes) on the selected keys where
+  they lie in the pages (their flat starts from the page table; each tile
+  prefetches the next tile's keys), the softmax per head with a vectorised
+  float32 ``exp`` (:func:`._math.exp_f32`), and ``P @ V`` with a second
+  register tile (:func:`._tile_ops.weighted_rows`: 8 heads x 32 channels of
+  accumulators, tokens in order) on values gathered 128 at a time with a
+  prefetch 8 tokens ahead, then divides once; groups of at most 8 heads pack
+  ``16 // group`` prefill rows into one tile. Nothing the size of the
+  history is materialised; dense SDPA would read all of it. Keys read in
+  place instead of gathered first: 1.3-1.4x faster (bf16/fp32); the value
+  prefetch another 5-15%. (The first version, with accumulators in memory
+  and a libm ``exp`` per weight, was 4x slower.)
 
 bf16 and fp16 tensors enter numba as their raw 16-bit patterns and are
 widened and rounded to nearest-even with integer arithmetic, exactly as torch
@@ -64,13 +66,12 @@ from ..._checks import check_freqs_cis_rows
 from ...cache.layout import page_error
 from ._bits import as_numba, narrow, widen
 from ._score_tasks import keys_seen, plan_score_tasks, relu_sums, score_task
-from ._tile_ir import KEYS_PER_TILE, SQUARE_SUM_ROWS, VECTOR, WEIGHTED_CHANNELS
-from ._tile_ops import (KEYS_PER_TASK, dots_of_gathered_rows, dots_of_rows, gather_rows, new_scratch,
-                        new_value_scratch, square_sums_in_order, transpose_dots, weighted_rows)
-from ._math import scaled_softmax_in_place
-from ._pages import check_counted_entries, first_missing_page
-from ._paged_rows import flat_plane, query_tile_of_heads, sequence_of_rows, token_starts, zero_heads
+from ._tile_ir import KEYS_PER_TILE, SQUARE_SUM_ROWS, VECTOR
+from ._tile_ops import KEYS_PER_TASK, dots_of_rows, new_scratch, square_sums_in_order, transpose_dots
+from ._pages import first_missing_page
+from ._paged_rows import flat_plane
 from ._parallel import PARALLEL_JIT, threads_for
+from ._sparse_attend import sparse_attention
 
 _ROWS_PER_TASK = 64  # block-key rows per compress task (groups of SQUARE_SUM_ROWS: their RMSNorm sums run at once)
 
@@ -248,79 +249,8 @@ def qsa_block_score(scores, q, block_keys, query_positions, input_row_offsets, r
 
 # ---- sparse attention -------------------------------------------------------------
 
-@numba.njit(**PARALLEL_JIT)
-def _sparse_attention_kernel(out, lse, q, cache, page_stride, key_base, value_base, page_size, kv_heads, table,
-                             indices, counts, seq_of_row, scale, gate, has_gate):
-    """One task per (row, KV head). ``cache`` is the flat main cache (``flat_plane``);
-    ``q, out [total_q, q_heads, D]``; ``lse [total_q, q_heads]`` float32.
-
-    The group's query heads are the lanes of one query tile; the selected
-    keys are scored where they lie in the pages (fp16 and odd-``D`` bf16:
-    converted first) by :func:`._tile_ops.dots_of_gathered_rows` (``logits
-    [count, lanes]``). The softmax runs over each lane (a head) with
-    :func:`._math.exp_f32`; then the values are gathered ``KEYS_PER_TASK`` at
-    a time (prefetched ahead) and summed into ``acc [lanes, D]`` by
-    :func:`._tile_ops.weighted_rows` (tokens in order) and divided once.
-    """
-    total_q, q_heads, dim = q.shape
-    group = q_heads // kv_heads
-    lanes = (group + VECTOR - 1) // VECTOR * VECTOR
-    padded_dim = (dim + WEIGHTED_CHANNELS - 1) // WEIGHTED_CHANNELS * WEIGHTED_CHANNELS
-    width = indices.shape[1]
-    for task in prange(total_q * kv_heads):
-        r, kvh = task // kv_heads, task % kv_heads
-        h0 = kvh * group
-        count = min(counts[r], width)
-        if count <= 0:
-            zero_heads(out, lse, r, h0, group)
-            continue
-        b = seq_of_row[r]
-        q_t = query_tile_of_heads(q, r, h0, group, lanes)
-        logits = np.empty((count + KEYS_PER_TILE, lanes), np.float32)
-        starts = np.empty(count + 2 * KEYS_PER_TILE, np.int64)
-        token_starts(starts, indices[r, :count], table[b], page_size, page_stride, key_base, kv_heads, kvh, dim)
-        dots_of_gathered_rows(logits, q_t, cache, starts, count, dim, lanes, new_scratch(cache, dim))
-        row_max, denom = scaled_softmax_in_place(logits, count, lanes, scale)
-        acc = np.zeros((lanes, padded_dim), np.float32)
-        values = new_value_scratch(cache, dim, padded_dim)  # bf16 stays bits; padding channels 0
-        starts += value_base - key_base  # the same tokens in the value plane
-        for n0 in range(0, count, KEYS_PER_TASK):
-            chunk = min(KEYS_PER_TASK, count - n0)
-            gather_rows(values, cache, starts[n0:], chunk, dim)
-            weighted_rows(acc, logits[n0:], values, group, chunk)
-        for h in range(group):
-            lse[r, h0 + h] = row_max[h] + np.log(denom[h])
-            out_row, acc_row = out[r, h0 + h], acc[h]
-            if has_gate:
-                gate_row = gate[r, h0 + h]
-                for d in range(dim):
-                    sigmoid = np.float32(1.0) / (np.float32(1.0) + np.exp(-widen(gate_row[d])))
-                    out_row[d] = narrow(acc_row[d] / denom[h] * sigmoid, out)
-            else:
-                for d in range(dim):
-                    out_row[d] = narrow(acc_row[d] / denom[h], out)
-
-
 def qsa_sparse_attention_paged(out, lse, q, blocks, lookup_table, indices, counts, input_row_offsets, layer, scale,
                                gate):
-    """Same contract as :func:`sparsekv.kernels.reference.qsa.qsa_sparse_attention_paged`."""
-    total_q = q.shape[0]
-    if total_q == 0:
-        return
-    seq_of_row = sequence_of_rows(input_row_offsets.numpy())
-    check_counted_entries(lookup_table, blocks.shape[0], blocks.shape[3], indices, counts, seq_of_row)
-    target = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
-    lse_target = lse if lse.is_contiguous() else torch.empty_like(lse, memory_format=torch.contiguous_format)
-    gate_bits = as_numba(gate.contiguous()) if gate is not None else as_numba(q[:0])
-    cache, page_stride, key_base = flat_plane(blocks, 0, layer)
-    value_base = flat_plane(blocks, 1, layer)[2]
-    work = int(counts.clamp(min=0).sum()) * q.shape[1] * q.shape[2] * 2
-    with threads_for(work):
-        _sparse_attention_kernel(as_numba(target), lse_target.numpy(), as_numba(q.contiguous()), cache, page_stride,
-                                 key_base, value_base, blocks.shape[3], blocks.shape[4], lookup_table.numpy(),
-                                 indices.numpy(), counts.numpy(), seq_of_row, float(scale), gate_bits,
-                                 gate is not None)
-    if target is not out:
-        out.copy_(target)
-    if lse_target is not lse:
-        lse.copy_(lse_target)
+    """Same contract as :func:`sparsekv.kernels.reference.qsa.qsa_sparse_attention_paged`: the kernel of
+    :mod:`._sparse_attend` with the values in the cache's value plane."""
+    sparse_attention(out, lse, q, blocks, lookup_table, indices, counts, input_row_offsets, layer, scale, gate, 1)

@@ -1,0 +1,320 @@
+"""Attention of query rows over the paged rows each selected: the CPU kernel behind QSA's (SPEC 2.5) and
+MLA's (SPEC 3.4) sparse attention, and behind MLA's expanded prefill (one query head per KV head).
+
+Per task (a query row, one KV head, a chunk of that KV head's query heads):
+
+* the chunk's queries are the lanes of one query tile; Q.K runs with the
+  register tile of :mod:`._tile_ir` on the selected keys where they lie in
+  the pages (:func:`._tile_ops.dots_of_gathered_rows` through the rows' flat
+  starts; bf16 as channel pairs on ``VDPBF16PS``, fp16 widened into scratch
+  first), ``[keys x lanes]`` logits;
+* softmax per lane with the vectorised float32 :func:`._math.exp_f32`;
+* P.V with :func:`._tile_ops.weighted_rows` (tiles of 12, 8 or 4 lanes x 32
+  channels, keys in order) over the values, gathered ``KEYS_PER_TASK`` at a
+  time with a prefetch ahead; one division per output (times
+  ``sigmoid(gate)`` for QSA's gated attention).
+
+Where the values lie is the caller's: QSA's in the value plane, MLA's in the
+first ``v_dim`` channels of the latent row itself (``value_shift = 0``).
+
+A KV head with at most 8 query heads fills half a tile or less. In a
+prefill, where one sequence has many consecutive rows whose selections
+overlap (every causal token below the top-k, neighbours' top-k beyond),
+``16 // group`` consecutive rows share one tile (:func:`attend_packed_rows`):
+their queries are its lanes, the keys the union of their selections in
+position order, and a key a row did not select weighs an exact 0 for that
+row's lanes, so each row's bits are the ones it gets alone. Rows whose union
+is too large, whose positions are not increasing, or that span two sequences
+run one by one.
+
+Heads are split into chunks only as far as needed to give every thread a
+task (a decode step of one sequence still uses every core); each head's
+arithmetic is the same whatever chunk or tile it lands in (lanes are
+independent, the channel and key orders fixed), so results do not depend on
+the thread count or the batch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+import torch
+from numba import prange
+
+from ._bits import as_numba, narrow, widen
+from ._math import scaled_softmax_in_place, scaled_softmax_of_members
+from ._pages import check_counted_entries
+from ._paged_rows import flat_plane, query_tile_of_heads, sequence_of_rows, token_starts, zero_heads
+from ._parallel import PARALLEL_JIT, threads_for
+from ._tile_ir import KEYS_PER_TILE, VECTOR, WEIGHTED_CHANNELS
+from ._tile_ops import (KEYS_PER_TASK, dots_of_gathered_rows, gather_rows, new_query_tiles, new_scratch,
+                        new_value_scratch, put_query, weighted_rows)
+
+GROUPS_PER_TASK = 8  # groups of rows sharing a tile per task, at most (several KV heads)
+
+
+@numba.njit(cache=True, nogil=True)
+def attend_positions(q_t, positions, table_row, cache, page_stride, key_base, value_shift, page_size, kv_heads,
+                     kv_head, dim, scale, selected, lanes_used, v_dim, padded_v):
+    """One pass of the query tile ``q_t`` (``lanes`` wide) over KV head ``kv_head``'s keys (``dim`` channels)
+    at ``positions`` of one sequence: Q.K where the keys lie, the softmax per lane (``selected [count,
+    lanes]``: only the keys each lane counts, :func:`._math.scaled_softmax_of_members`; ``None``: every key),
+    then P.V over the first ``v_dim`` channels of the rows ``value_shift`` elements after the keys,
+    ``KEYS_PER_TASK`` gathered at a time with a prefetch ahead. Returns the unnormalised ``acc [lanes,
+    padded_v]`` and the lanes' ``row_max`` and ``denom``."""
+    count, lanes = positions.shape[0], q_t.shape[1]
+    logits = np.empty((count + KEYS_PER_TILE, lanes), np.float32)
+    starts = np.empty(count + 2 * KEYS_PER_TILE, np.int64)
+    token_starts(starts, positions, table_row, page_size, page_stride, key_base, kv_heads, kv_head, dim)
+    dots_of_gathered_rows(logits, q_t, cache, starts, count, dim, lanes, new_scratch(cache, dim))
+    if selected is None:
+        row_max, denom = scaled_softmax_in_place(logits, count, lanes, scale)
+    else:
+        row_max, denom = scaled_softmax_of_members(logits, count, selected, scale)
+    acc = np.zeros((lanes, padded_v), np.float32)
+    values = new_value_scratch(cache, v_dim, padded_v)  # bf16 stays bits; padding channels 0
+    starts += value_shift
+    for n0 in range(0, count, KEYS_PER_TASK):
+        rows = min(KEYS_PER_TASK, count - n0)
+        gather_rows(values, cache, starts[n0:], rows, v_dim)
+        weighted_rows(acc, logits[n0:], values, lanes_used, rows)
+    return acc, row_max, denom
+
+
+@numba.njit(cache=True, nogil=True)
+def write_heads(out, lse, acc, row_max, denom, r, h0, lane0, heads, gate, has_gate):
+    """Row ``r``'s heads ``h0 ..`` from lanes ``lane0 ..`` of the tile: ``lse`` and ``acc / denom`` (times
+    ``sigmoid(gate[r, h])`` in float32 when ``has_gate``)."""
+    v_dim = out.shape[2]
+    for h in range(heads):
+        lane = lane0 + h
+        lse[r, h0 + h] = row_max[lane] + np.log(denom[lane])
+        out_row, acc_row = out[r, h0 + h], acc[lane]
+        if has_gate:
+            gate_row = gate[r, h0 + h]
+            for d in range(v_dim):
+                sigmoid = np.float32(1.0) / (np.float32(1.0) + np.exp(-widen(gate_row[d])))
+                out_row[d] = narrow(acc_row[d] / denom[lane] * sigmoid, out)
+        else:
+            for d in range(v_dim):
+                out_row[d] = narrow(acc_row[d] / denom[lane], out)
+
+
+@numba.njit(cache=True, nogil=True)
+def merged_selection(indices, counts, r0, rows, heads, merged, selected):
+    """The union of rows ``r0 .. r0+rows-1``'s counted positions, increasing, into ``merged``, and
+    ``selected[n, j*heads : (j+1)*heads]`` = row ``r0 + j`` selected ``merged[n]`` (``selected [>= union,
+    lanes]`` bool; the rows written are cleared first, the rest untouched). Returns the union's size, or -1
+    when a row selects nothing or its counted positions are not strictly increasing (duplicates, any
+    order)."""
+    width = indices.shape[1]
+    ends = np.empty(rows, np.int64)
+    nexts = np.zeros(rows, np.int64)  # each row's next entry
+    for j in range(rows):
+        ends[j] = min(counts[r0 + j], width)
+        if ends[j] <= 0:
+            return -1
+        for i in range(1, ends[j]):
+            if indices[r0 + j, i] <= indices[r0 + j, i - 1]:
+                return -1
+    size = 0
+    while True:
+        lowest = -1
+        for j in range(rows):
+            if nexts[j] < ends[j]:
+                position = indices[r0 + j, nexts[j]]
+                lowest = position if lowest < 0 or position < lowest else lowest
+        if lowest < 0:
+            return size
+        merged[size] = lowest
+        selected[size, :] = False
+        for j in range(rows):
+            if nexts[j] < ends[j] and indices[r0 + j, nexts[j]] == lowest:
+                selected[size, j * heads : (j + 1) * heads] = True
+                nexts[j] += 1
+        size += 1
+
+
+@numba.njit(cache=True, nogil=True)
+def packed_selection(indices, counts, seq_of_row, r0, rows, group, merged, selected):
+    """:func:`merged_selection` of rows ``r0 .. r0+rows-1`` when they may share a tile: they belong to one
+    sequence, each selects strictly increasing positions, and the union holds at most 3/4 of their entries
+    together (else one tile costs more than a tile per row). Returns the union's size, or -1."""
+    total = 0
+    for j in range(rows):
+        if seq_of_row[r0 + j] != seq_of_row[r0]:
+            return -1
+        total += max(min(counts[r0 + j], indices.shape[1]), 0)
+    size = merged_selection(indices, counts, r0, rows, group, merged, selected)
+    return size if size >= 0 and 4 * size <= 3 * total else -1
+
+
+@numba.njit(cache=True, nogil=True)
+def attend_packed_rows(out, lse, q, cache, page_stride, key_base, value_shift, page_size, kv_heads, table, seq_of_row,
+                       scale, gate, has_gate, r0, rows, kv_head, merged, selected, lanes, padded_v):
+    """Rows ``r0 .. r0+rows-1`` (all of KV head ``kv_head``'s query heads each) in the lanes of one query tile,
+    over ``merged`` (their union, :func:`packed_selection`; ``selected`` which lane counts which key). Each
+    lane's bits equal a row alone's (the union keeps each row's order; unselected keys weigh an exact 0)."""
+    group, dim = q.shape[1] // kv_heads, q.shape[2]
+    h0 = kv_head * group
+    q_t = new_query_tiles(q, 1, lanes)[0]
+    for j in range(rows):
+        for h in range(group):
+            put_query(q_t, j * group + h, q[r0 + j, h0 + h])
+    acc, row_max, denom = attend_positions(q_t, merged, table[seq_of_row[r0]], cache, page_stride, key_base,
+                                           value_shift, page_size, kv_heads, kv_head, dim, scale, selected,
+                                           rows * group, out.shape[2], padded_v)
+    for j in range(rows):
+        write_heads(out, lse, acc, row_max, denom, r0 + j, h0, j * group, group, gate, has_gate)
+
+
+@numba.njit(cache=True, nogil=True)
+def attend_heads(out, lse, q, cache, page_stride, key_base, value_shift, page_size, kv_heads, table, indices, counts,
+                 seq_of_row, scale, gate, has_gate, r, kv_head, h0, heads, lanes, padded_v):
+    """Row ``r``'s query heads ``h0 .. h0+heads-1`` (all reading KV head ``kv_head``) in the lanes of one tile."""
+    dim = q.shape[2]
+    count = min(counts[r], indices.shape[1])
+    if count <= 0:
+        zero_heads(out, lse, r, h0, heads)
+        return
+    q_t = query_tile_of_heads(q, r, h0, heads, lanes)
+    acc, row_max, denom = attend_positions(q_t, indices[r, :count], table[seq_of_row[r]], cache, page_stride,
+                                           key_base, value_shift, page_size, kv_heads, kv_head, dim, scale, None,
+                                           heads, out.shape[2], padded_v)
+    write_heads(out, lse, acc, row_max, denom, r, h0, 0, heads, gate, has_gate)
+
+
+@numba.njit(cache=True, nogil=True)
+def attend_row_groups(out, lse, q, cache, page_stride, key_base, value_shift, page_size, kv_heads, table, indices,
+                      counts, seq_of_row, scale, gate, has_gate, first_row, end_row, rows_per_group, lanes, padded_v):
+    """Rows ``first_row .. end_row-1`` in groups of ``rows_per_group`` consecutive rows that share a tile
+    where they qualify (:func:`packed_selection`, computed once for every KV head), else run one by one;
+    KV head by KV head, so that one head's keys and values stay in cache from one group to the next."""
+    group = q.shape[1] // kv_heads
+    groups = (end_row - first_row + rows_per_group - 1) // rows_per_group
+    most = 1
+    for g in range(groups):
+        total = 0
+        for r in range(first_row + g * rows_per_group, min(first_row + (g + 1) * rows_per_group, end_row)):
+            total += max(min(counts[r], indices.shape[1]), 0)
+        most = max(most, total)
+    merged = np.empty((groups, most), indices.dtype)
+    selected = np.empty((groups, most, lanes), np.bool_)
+    sizes = np.full(groups, -1, np.int64)
+    for g in range(groups):
+        r0 = first_row + g * rows_per_group
+        rows = min(rows_per_group, end_row - r0)
+        if rows > 1:
+            sizes[g] = packed_selection(indices, counts, seq_of_row, r0, rows, group, merged[g], selected[g])
+    for kv_head in range(kv_heads):
+        for g in range(groups):
+            r0 = first_row + g * rows_per_group
+            rows = min(rows_per_group, end_row - r0)
+            size = sizes[g]
+            if size >= 0:
+                attend_packed_rows(out, lse, q, cache, page_stride, key_base, value_shift, page_size, kv_heads, table,
+                                   seq_of_row, scale, gate, has_gate, r0, rows, kv_head, merged[g, :size],
+                                   selected[g, :size], lanes, padded_v)
+            else:
+                for r in range(r0, r0 + rows):
+                    attend_heads(out, lse, q, cache, page_stride, key_base, value_shift, page_size, kv_heads, table,
+                                 indices, counts, seq_of_row, scale, gate, has_gate, r, kv_head, kv_head * group,
+                                 group, lanes, padded_v)
+
+
+@numba.njit(**PARALLEL_JIT)
+def sparse_attention_kernel(out, lse, q, cache, page_stride, key_base, value_shift, page_size, kv_heads, table,
+                            indices, counts, seq_of_row, scale, gate, has_gate, heads_per_task, rows_per_task,
+                            groups_per_task):
+    """One task per (row, KV head, chunk of ``heads_per_task`` of its query heads); with ``rows_per_task > 1``
+    one task per ``groups_per_task`` groups of ``rows_per_task`` rows (:func:`attend_row_groups`).
+
+    ``cache`` is the flat cache (:func:`._paged_rows.flat_plane`): KV head ``k`` of token ``t`` has its key
+    at ``key_base + (slot * kv_heads + k) * D`` in the page and its value ``value_shift`` elements further
+    on (first ``Dv`` channels). ``q [total_q, q_heads, D]``; ``out [total_q, q_heads, Dv]``, ``gate`` (when
+    ``has_gate``) ``[total_q, q_heads, Dv]``; ``lse [total_q, q_heads]`` float32; bf16/fp16 as bits.
+    ``rows_per_task > 1`` needs every head of a KV head in one task (``heads_per_task == q_heads //
+    kv_heads``) and ``rows_per_task * heads_per_task <= VECTOR``.
+    """
+    total_q, q_heads, _ = q.shape
+    group = q_heads // kv_heads
+    lanes = (heads_per_task * rows_per_task + VECTOR - 1) // VECTOR * VECTOR
+    padded_v = (out.shape[2] + WEIGHTED_CHANNELS - 1) // WEIGHTED_CHANNELS * WEIGHTED_CHANNELS
+    if rows_per_task > 1:
+        rows_per_block = rows_per_task * groups_per_task
+        for task in prange((total_q + rows_per_block - 1) // rows_per_block):
+            first_row = task * rows_per_block
+            attend_row_groups(out, lse, q, cache, page_stride, key_base, value_shift, page_size, kv_heads, table,
+                              indices, counts, seq_of_row, scale, gate, has_gate, first_row,
+                              min(first_row + rows_per_block, total_q), rows_per_task, lanes, padded_v)
+        return
+    chunks = (group + heads_per_task - 1) // heads_per_task
+    for task in prange(total_q * kv_heads * chunks):
+        r, kv_head, chunk = task // (kv_heads * chunks), task // chunks % kv_heads, task % chunks
+        h0 = kv_head * group + chunk * heads_per_task
+        attend_heads(out, lse, q, cache, page_stride, key_base, value_shift, page_size, kv_heads, table, indices,
+                     counts, seq_of_row, scale, gate, has_gate, r, kv_head, h0,
+                     min(heads_per_task, (kv_head + 1) * group - h0), lanes, padded_v)
+
+
+def heads_per_task(total_q: int, kv_heads: int, group: int) -> int:
+    """Query heads per task: all ``group`` heads of a KV head, or as few whole 16-lane vectors of them as give
+    every thread a task."""
+    splits = max(1, min(-(-numba.get_num_threads() // max(total_q * kv_heads, 1)), -(-group // VECTOR)))
+    return -(-math.ceil(group / splits) // VECTOR) * VECTOR if splits > 1 else group
+
+
+def rows_per_task(offsets: np.ndarray, kv_heads: int, group: int, per_task: int) -> int:
+    """Rows that may share a query tile: as many as fill its ``VECTOR`` lanes with whole rows' heads (at most
+    8 per KV head), two vectors' worth with one head per KV head (MLA's expanded form: 32 rows were 10%
+    faster than 16 on a 4k prefill, the larger union included; 4 rows of 8 heads were not faster than 2),
+    where some sequence has several rows and there are tasks enough for every thread."""
+    rows = VECTOR // group if group <= VECTOR // 2 and per_task == group else 1
+    rows = 2 * VECTOR if group == 1 else rows
+    total_q = int(offsets[-1])
+    if rows > 1 and (int(np.diff(offsets).max()) < 2 or total_q < 4 * rows * numba.get_num_threads()):
+        return 1
+    return rows
+
+
+def groups_per_task(total_q: int, kv_heads: int, rows: int) -> int:
+    """Groups of ``rows`` rows per task: with several KV heads up to ``GROUPS_PER_TASK``, as many as leave
+    four tasks per thread (a KV head's keys, read again by the next group, stay in cache); one with one."""
+    if kv_heads == 1 or rows == 1:
+        return 1
+    return max(1, min(GROUPS_PER_TASK, total_q // (rows * 4 * numba.get_num_threads())))
+
+
+def sparse_attention(out, lse, q, blocks, lookup_table, indices, counts, input_row_offsets, layer, scale, gate,
+                     value_plane):
+    """Run :func:`sparse_attention_kernel` on torch tensors (the contract of the reference
+    ``qsa_sparse_attention_paged`` / ``mla_sparse_attention_paged``): values in plane ``value_plane`` of the
+    cache, or (``None``) the first ``out.shape[2]`` channels of the key rows. Counted entries are validated
+    (negative positions, missing pages) before the kernel starts, so a raising call writes nothing."""
+    total_q, q_heads, dim = q.shape
+    if total_q == 0 or q_heads == 0:
+        return
+    kv_heads = blocks.shape[4]
+    seq_of_row = sequence_of_rows(input_row_offsets.numpy())
+    check_counted_entries(lookup_table, blocks.shape[0], blocks.shape[3], indices, counts, seq_of_row)
+    target = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
+    lse_target = lse if lse.is_contiguous() else torch.empty_like(lse, memory_format=torch.contiguous_format)
+    gate_bits = as_numba(gate.contiguous()) if gate is not None else as_numba(q[:0])
+    cache, page_stride, key_base = flat_plane(blocks, 0, layer)
+    value_shift = 0 if value_plane is None else flat_plane(blocks, value_plane, layer)[2] - key_base
+    work = int(counts.clamp(min=0).sum()) * q_heads * (dim + out.shape[2])
+    with threads_for(work):  # the split follows the threads the block gets (one while the cores are taken)
+        group = q_heads // kv_heads
+        per_task = heads_per_task(total_q, kv_heads, group)
+        rows = rows_per_task(input_row_offsets.numpy(), kv_heads, group, per_task)
+        sparse_attention_kernel(
+            as_numba(target), lse_target.numpy(), as_numba(q.contiguous()), cache, page_stride, key_base,
+            value_shift, blocks.shape[3], kv_heads, lookup_table.numpy(), indices.numpy(), counts.numpy(),
+            seq_of_row, float(scale), gate_bits, gate is not None, per_task, rows,
+            groups_per_task(total_q, kv_heads, rows))
+    if target is not out:
+        out.copy_(target)
+    if lse_target is not lse:
+        lse.copy_(lse_target)
