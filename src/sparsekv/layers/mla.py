@@ -24,16 +24,26 @@ One call, for a ragged batch (the order of HF's modeling code):
 5. the selection: this layer's indexer, or (a ``"shared"`` layer) the
    selection of the previous full layer, passed in;
 6. attention over the selected latent rows, softmax scale ``qk_head_dim**-0.5``
-   (times YaRN's ``mscale_all_dim`` correction squared, as HF):
+   (times YaRN's ``mscale_all_dim`` correction squared, as HF), in one of two
+   forms of the same math:
 
-   * ``"absorbed"`` (decode): ``q_lat = [q_nope @ W_uk, q_rope]`` per head (W_uk
-     = the key half of ``kv_b_proj``, float32 math, cast), then
+   * ``"absorbed"``: ``q_lat = [q_nope @ W_uk, q_rope]`` per head (W_uk = the
+     key half of ``kv_b_proj``, float32 math, cast), then
      ``sparsekv.mla_sparse_attention_paged`` gives ``o_lat`` (``kv_lora_rank``
-     channels per head), then ``o = o_lat @ W_uv^T`` (float32 math, cast);
-   * ``"expanded"``: HF's form: ``kv_b_proj`` applied to every cached latent
-     row of the sequence, keys ``[k_nope, rope key]``, dense attention masked to
-     the selection (float32 math), which is faster while histories are short
-     (docs/spec-notes.md);
+     channels per head), then ``o = o_lat @ W_uv^T`` (float32 math, cast):
+     ``kv_lora_rank * 2 + qk_rope_head_dim`` multiply-adds per selected key
+     and head, and nothing per cached row;
+   * ``"expanded"`` (HF's form): ``kv_b_proj`` applied to every cached latent
+     row of the sequence (float32 math, cast) gives per-head keys ``[k_nope,
+     rope key]`` and values in a temporary paged cache, then
+     ``sparsekv.qsa_sparse_attention_paged`` with one query head per KV head
+     over the selection: ``qk_head_dim + v_head_dim`` multiply-adds per
+     selected key and head, plus ``kv_b_proj`` over the history;
+   * ``"auto"`` (the default) takes the form with fewer multiply-adds for the
+     call (:meth:`MlaSparseAttention.attention_form`): expanded for a prefill
+     whose rows select much of a short history, absorbed for decode steps and
+     long histories, and absorbed whenever the expanded keys and values would
+     pass ``EXPANDED_MAX_BYTES``;
 
 7. ``o_proj``.
 
@@ -54,13 +64,16 @@ from torch import nn
 
 from ..cache.layout import PagedKVCacheCollection
 from ..ops.mla import mla_sparse_attention_paged
+from ..ops.qsa import qsa_sparse_attention_paged
 from .config import MlaConfig
 from .dsa import apply_rope, rope_cos_sin, rope_inv_freq
 from .kpool import KPoolIndexer, KPoolResult, RMSNorm
 from ._common import StageTimerLike, batch_positions, frozen_linear, no_timer
 from .tensor_parallel import TensorParallelGroup, WeightSlice, head_slice
 
-MODES = ("absorbed", "expanded")
+MODES = ("auto", "absorbed", "expanded")
+EXPANDED_MAX_BYTES = 1 << 30  # the expanded form's temporary keys and values of one call, at most
+EXPANDED_PAGE_SIZE = 64  # tokens per page of that temporary cache
 
 
 class MlaResult(NamedTuple):
@@ -139,9 +152,9 @@ class MlaSparseAttention(nn.Module):
                 latent_cache: PagedKVCacheCollection, cache_layer: int,
                 index_cache: PagedKVCacheCollection | None = None, index_layer: int | None = None,
                 ring: torch.Tensor | None = None, slot_ids: torch.Tensor | None = None,
-                selection: tuple[torch.Tensor, torch.Tensor] | None = None, mode: str = "absorbed",
+                selection: tuple[torch.Tensor, torch.Tensor] | None = None, mode: str = "auto",
                 timer: StageTimerLike = no_timer) -> MlaResult:
-        """Run the layer (module docstring); ``mode`` is ``"absorbed"`` or ``"expanded"``."""
+        """Run the layer (module docstring); ``mode`` is ``"auto"``, ``"absorbed"`` or ``"expanded"``."""
         if mode not in MODES:
             raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
         if self.indexer is None and selection is None:
@@ -175,9 +188,11 @@ class MlaSparseAttention(nn.Module):
             indices, counts = indexed.indices, indexed.counts
         else:
             indices, counts = selection
-        w_uk, w_uv = self._kv_b_halves()
         with timer("mla.attention"):
+            if mode == "auto":
+                mode = self.attention_form(counts, offsets, cache_lengths)
             if mode == "absorbed":
+                w_uk, w_uv = self._kv_b_halves()
                 q_absorbed = torch.einsum("thn,hnr->thr", q_nope.float(), w_uk).to(q.dtype)
                 q_lat = torch.cat([q_absorbed, q_rope], dim=-1)
                 o_lat = mla_sparse_attention_paged(q_lat, latent_cache, cache_layer, indices, counts, offsets,
@@ -198,42 +213,67 @@ class MlaSparseAttention(nn.Module):
                 "kv_b_proj.weight": head_slice(heads, self.nope_dim + self.v_head_dim, total),
                 "o_proj.weight": head_slice(heads, self.v_head_dim, total, dim=1)}
 
-    def _expanded(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent_cache: PagedKVCacheCollection,
-                  cache_layer: int, indices: torch.Tensor, counts: torch.Tensor, offsets: torch.Tensor,
-                  row_chunk: int = 256) -> torch.Tensor:
-        """HF's expanded form: keys and values of every cached row of each sequence, attention masked to the selection.
+    def attention_form(self, counts: torch.Tensor, input_row_offsets: torch.Tensor,
+                       cache_lengths: torch.Tensor) -> str:
+        """``"expanded"`` or ``"absorbed"``: the form with fewer multiply-adds for a call whose rows select
+        ``counts`` keys, absorbed when the expanded keys and values would pass ``EXPANDED_MAX_BYTES``.
 
-        A selected position counts once (the selections never repeat one).
-        Returns ``[T, heads, v_head_dim]`` in q's dtype.
+        Per head, absorbed costs ``(2 * kv_lora_rank + rope) * selected + (nope + v) * kv_lora_rank * rows``
+        (the kernel, then ``W_uk`` and ``W_uv`` per row); expanded ``(nope + v) * kv_lora_rank * held +
+        2 * width * selected`` (``kv_b_proj`` over the ``held`` cached rows of the sequences in the call,
+        then the kernel on keys and values ``width = max(qk_head_dim, v_head_dim)`` wide).
         """
+        rows = input_row_offsets.to(torch.int64).cpu()
+        lengths = rows.diff()
+        held = int((cache_lengths.to(torch.int64).cpu() + lengths)[lengths > 0].sum())
+        selected = int(counts.clamp(min=0).sum())
+        rank, expanded_dim = self.kv_lora_rank, self.nope_dim + self.v_head_dim
+        width = max(self.nope_dim + self.rope_dim, self.v_head_dim)
+        absorbed = (2 * rank + self.rope_dim) * selected + expanded_dim * rank * int(rows[-1])
+        expanded = expanded_dim * rank * held + 2 * width * selected
+        pages = int(((cache_lengths.to(torch.int64).cpu() + lengths)[lengths > 0] + EXPANDED_PAGE_SIZE - 1)
+                    .div(EXPANDED_PAGE_SIZE, rounding_mode="floor").sum())
+        element = torch.finfo(self.kv_b_proj.weight.dtype).bits // 8
+        size = pages * EXPANDED_PAGE_SIZE * self.num_heads * 2 * width * element
+        return "expanded" if expanded < absorbed and size <= EXPANDED_MAX_BYTES else "absorbed"
+
+    def _expanded(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent_cache: PagedKVCacheCollection,
+                  cache_layer: int, indices: torch.Tensor, counts: torch.Tensor,
+                  offsets: torch.Tensor) -> torch.Tensor:
+        """HF's expanded form over the selection: ``kv_b_proj`` on every cached latent row of each sequence in
+        the call gives per-head keys ``[k_nope, rope key]`` and values (zero-padded to one width), stored in
+        a temporary paged cache of ``EXPANDED_PAGE_SIZE``-token pages; ``qsa_sparse_attention_paged`` with one
+        query head per KV head attends over the selection. Returns ``[T, heads, v_head_dim]`` in q's dtype."""
         host_offsets = offsets.to(torch.int64).cpu()
-        host_lengths = latent_cache.cache_lengths.to(torch.int64).cpu()
+        lengths = host_offsets.diff()
+        held = latent_cache.cache_lengths.to(torch.int64).cpu() + lengths
+        qk_dim = self.nope_dim + self.rope_dim
+        width, page_size = max(qk_dim, self.v_head_dim), EXPANDED_PAGE_SIZE
+        pages = (held + page_size - 1).div(page_size, rounding_mode="floor") * (lengths > 0)
+        first_page = torch.cumsum(pages, 0) - pages
+        blocks = q_nope.new_empty(int(pages.sum()), 2, 1, page_size, self.num_heads, width)
+        table = torch.full((len(held), max(int(pages.max()), 1)), -1, dtype=torch.int32)
         rows = latent_cache.get_key_cache(cache_layer)
-        out = q_nope.new_zeros(q_nope.shape[0], self.num_heads, self.v_head_dim)
         kv_b = self.kv_b_proj.weight.float()
-        for b in range(host_offsets.shape[0] - 1):
-            start, end = int(host_offsets[b]), int(host_offsets[b + 1])
-            if start == end:
-                continue
-            held = int(host_lengths[b]) + end - start
-            history = rows.load(b, torch.arange(held, device=q_nope.device))[:, 0].float()  # [n, r + rope]
-            kv = (history[:, :self.kv_lora_rank] @ kv_b.T).reshape(held, self.num_heads, -1)
-            keys = torch.cat([kv[..., :self.nope_dim],
-                              history[:, None, self.kv_lora_rank:].expand(-1, self.num_heads, -1)], dim=-1)
-            values = kv[..., self.nope_dim:]
-            for first in range(start, end, row_chunk):
-                last = min(first + row_chunk, end)
-                query = torch.cat([q_nope[first:last], q_rope[first:last]], dim=-1).float()
-                logits = torch.einsum("thd,nhd->htn", query, keys) * self.scale
-                width = indices.shape[1]
-                counted = torch.arange(width, device=indices.device)[None, :] < counts[first:last, None]
-                chosen = torch.where(counted, indices[first:last].long(), held)
-                mask = torch.zeros(last - first, held + 1, dtype=torch.bool, device=q_nope.device)
-                mask.scatter_(1, chosen, True)
-                logits = logits.masked_fill(~mask[None, :, :held], float("-inf"))
-                probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # a row with nothing selected gives zeros
-                out[first:last] = torch.einsum("htn,nhv->thv", probs, values).to(out.dtype)
-        return out
+        for b in torch.nonzero(lengths > 0).flatten().tolist():
+            n, first, count = int(held[b]), int(first_page[b]), int(pages[b])
+            table[b, :count] = torch.arange(first, first + count, dtype=torch.int32)
+            history = rows.load(b, torch.arange(n, device=q_nope.device))[:, 0].float()  # [n, rank + rope]
+            kv = (history[:, :self.kv_lora_rank] @ kv_b.T).reshape(n, self.num_heads, -1)
+            keys = blocks.new_zeros(count * page_size, self.num_heads, width)
+            values = blocks.new_zeros(count * page_size, self.num_heads, width)
+            keys[:n, :, :self.nope_dim] = kv[..., :self.nope_dim]
+            keys[:n, :, self.nope_dim:qk_dim] = history[:, None, self.kv_lora_rank:]
+            values[:n, :, :self.v_head_dim] = kv[..., self.nope_dim:]
+            blocks[first:first + count, 0, 0] = keys.view(count, page_size, self.num_heads, width)
+            blocks[first:first + count, 1, 0] = values.view(count, page_size, self.num_heads, width)
+        expanded = PagedKVCacheCollection(blocks, latent_cache.cache_lengths, table.to(blocks.device),
+                                          max_seq_length=int(lengths.max()),
+                                          max_cache_length=latent_cache.max_cache_length)
+        query = q_nope.new_zeros(q_nope.shape[0], self.num_heads, width)
+        query[..., :self.nope_dim], query[..., self.nope_dim:qk_dim] = q_nope, q_rope
+        out = qsa_sparse_attention_paged(query, expanded, 0, indices, counts, offsets, scale=self.scale)
+        return out[..., :self.v_head_dim]
 
 
 class MlaSlice(nn.Module):
