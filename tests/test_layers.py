@@ -16,6 +16,7 @@ from sparsekv.cache.manager import CacheGroupSpec, PagedKVCacheManager
 from sparsekv.demo import seed_parameters
 from sparsekv.layers import (Glm5NextConfig, Glm5NextIndexerSlice, GlmMoeDsaConfig, KPoolIndexerLayer, MlaSlice,
                              MlaSparseAttention, QSAAttention, Qwen4ExpConfig, RotaryTable, mla_cache_groups)
+from sparsekv.layers import mla as mla_module
 from sparsekv.layers.qsa import every_causal_token
 
 QWEN = Qwen4ExpConfig(hidden_size=48, num_hidden_layers=1, qsa_layers=(0,), num_attention_heads=4,
@@ -262,12 +263,24 @@ def test_mla_absorbed_equals_expanded_and_shared_layers_reuse_the_selection():
     assert slice_.attentions[1].indexer is None
     tokens = torch.randint(0, 50, (29,), generator=torch.Generator().manual_seed(4))
     absorbed, results = _mla_run(slice_, tokens, [7, 11, 1, 1, 9], "absorbed")
-    expanded, _ = _mla_run(slice_, tokens, [29], "expanded")
-    torch.testing.assert_close(absorbed, expanded, rtol=1e-5, atol=1e-5)
+    for chunks in ([29], [7, 11, 1, 1, 9]):
+        for mode in ("expanded", "auto"):
+            torch.testing.assert_close(_mla_run(slice_, tokens, chunks, mode)[0], absorbed, rtol=1e-5, atol=1e-5)
     for per_layer in results:
         assert torch.equal(per_layer[1].indices, per_layer[0].indices)
     counts = torch.cat([r[0].counts for r in results])
     assert counts.tolist() == [min(t + 1, 9) for t in range(29)]  # kpool 1: topk tokens, no tail
+
+
+def test_mla_auto_form_follows_the_multiply_adds_and_the_memory_cap(monkeypatch):
+    """A prefill selecting most of a short history runs expanded; a decode step, or expanded keys and values
+    past EXPANDED_MAX_BYTES, runs absorbed."""
+    layer = MlaSparseAttention(DSA, 0)
+    prefill = layer.attention_form(torch.full((29,), 9), torch.tensor([0, 29]), torch.tensor([0]))
+    decode = layer.attention_form(torch.full((2,), 9), torch.tensor([0, 1, 2]), torch.tensor([600, 40]))
+    assert (prefill, decode) == ("expanded", "absorbed")
+    monkeypatch.setattr(mla_module, "EXPANDED_MAX_BYTES", 64 * 4 * 2 * 20 * 4 - 1)  # one page of 64 tokens, less 1
+    assert layer.attention_form(torch.full((29,), 9), torch.tensor([0, 29]), torch.tensor([0])) == "absorbed"
 
 
 def test_mla_layer_errors():
