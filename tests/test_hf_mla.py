@@ -183,8 +183,10 @@ def test_bf16_parity_with_hf(tmp_path, family):
     _check_family(tmp_path, family, True, SCHEDULES["chunked-then-decode"], dtype=torch.bfloat16)
 
 
-def test_expanded_mode_equals_hf(tmp_path):
-    _check_family(tmp_path, "glm_moe_dsa", True, SCHEDULES["chunked-then-decode"], mode="expanded")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_expanded_and_auto_modes_equal_hf(tmp_path, dtype):
+    for mode in ("expanded", "auto"):
+        _check_family(tmp_path / mode, "glm_moe_dsa", True, SCHEDULES["chunked-then-decode"], dtype=dtype, mode=mode)
 
 
 @pytest.mark.parametrize("family", ["glm_moe_dsa", "deepseek_v32"])

@@ -273,14 +273,21 @@ def test_mla_absorbed_equals_expanded_and_shared_layers_reuse_the_selection():
 
 
 def test_mla_auto_form_follows_the_multiply_adds_and_the_memory_cap(monkeypatch):
-    """A prefill selecting most of a short history runs expanded; a decode step, or expanded keys and values
-    past EXPANDED_MAX_BYTES, runs absorbed."""
+    """A prefill selecting much of a short history runs expanded; a decode step, expanded keys and values past
+    EXPANDED_MAX_BYTES, or neighbouring rows that select different keys (a wide union per tile) run absorbed."""
     layer = MlaSparseAttention(DSA, 0)
-    prefill = layer.attention_form(torch.full((29,), 9), torch.tensor([0, 29]), torch.tensor([0]))
-    decode = layer.attention_form(torch.full((2,), 9), torch.tensor([0, 1, 2]), torch.tensor([600, 40]))
-    assert (prefill, decode) == ("expanded", "absorbed")
+    causal = torch.arange(9)[None, :].expand(29, 9).clone()
+    form = layer.attention_form(causal, torch.arange(1, 30).clamp(max=9), torch.tensor([0, 29]), torch.tensor([0]))
+    decode = layer.attention_form(causal[:2], torch.full((2,), 9), torch.tensor([0, 1, 2]), torch.tensor([600, 40]))
+    assert (form, decode) == ("expanded", "absorbed")
+    shared, spread = torch.arange(9)[None, :].expand(64, 9), (torch.arange(64)[:, None] + torch.arange(9)[None]) % 64
+    counts, offsets = torch.full((64,), 9), torch.tensor([0, 64])
+    assert mla_module.selection_spread(shared, counts, offsets, 32) == 1.0
+    assert mla_module.selection_spread(spread, counts, offsets, 32) == 40 * 32 / (32 * 9)  # 40 distinct keys
+    assert layer.attention_form(shared, counts, offsets, torch.tensor([0])) == "expanded"
+    assert layer.attention_form(spread, counts, offsets, torch.tensor([0])) == "absorbed"
     monkeypatch.setattr(mla_module, "EXPANDED_MAX_BYTES", 64 * 4 * 2 * 20 * 4 - 1)  # one page of 64 tokens, less 1
-    assert layer.attention_form(torch.full((29,), 9), torch.tensor([0, 29]), torch.tensor([0])) == "absorbed"
+    assert layer.attention_form(shared, counts, offsets, torch.tensor([0])) == "absorbed"
 
 
 def test_mla_layer_errors():

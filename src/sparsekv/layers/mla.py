@@ -74,6 +74,29 @@ from .tensor_parallel import TensorParallelGroup, WeightSlice, head_slice
 MODES = ("auto", "absorbed", "expanded")
 EXPANDED_MAX_BYTES = 1 << 30  # the expanded form's temporary keys and values of one call, at most
 EXPANDED_PAGE_SIZE = 64  # tokens per page of that temporary cache
+EXPANDED_ROWS_PER_TILE = 32  # rows of one head the CPU sparse attention kernel packs into one query tile
+SPREAD_SAMPLES = 8  # row groups whose union selection_spread measures
+
+
+def selection_spread(indices: torch.Tensor, counts: torch.Tensor, input_row_offsets: torch.Tensor,
+                     rows_per_group: int, samples: int = SPREAD_SAMPLES) -> float:
+    """How many distinct keys ``rows_per_group`` consecutive rows of one sequence select together, over the
+    keys one of them selects (mean over up to ``samples`` groups spread over the call; 1.0 when no sequence
+    has that many rows). ``indices [T, W]``, ``counts [T]``, ``input_row_offsets [B+1]`` (host)."""
+    starts = [first for b in range(input_row_offsets.shape[0] - 1)
+              for first in range(int(input_row_offsets[b]), int(input_row_offsets[b + 1]) - rows_per_group + 1,
+                                 rows_per_group)]
+    if not starts:
+        return 1.0
+    chosen = [starts[i * len(starts) // samples] for i in range(min(samples, len(starts)))]
+    union = selected = 0
+    width = torch.arange(indices.shape[1], device=indices.device)
+    for first in chosen:
+        group_counts = counts[first:first + rows_per_group].clamp(min=0)
+        counted = width[None, :] < group_counts[:, None]
+        union += int(torch.unique(indices[first:first + rows_per_group][counted]).numel())
+        selected += int(group_counts.sum())
+    return union * rows_per_group / selected if selected else 1.0
 
 
 class MlaResult(NamedTuple):
@@ -190,7 +213,7 @@ class MlaSparseAttention(nn.Module):
             indices, counts = selection
         with timer("mla.attention"):
             if mode == "auto":
-                mode = self.attention_form(counts, offsets, cache_lengths)
+                mode = self.attention_form(indices, counts, offsets, cache_lengths)
             if mode == "absorbed":
                 w_uk, w_uv = self._kv_b_halves()
                 q_absorbed = torch.einsum("thn,hnr->thr", q_nope.float(), w_uk).to(q.dtype)
@@ -213,29 +236,38 @@ class MlaSparseAttention(nn.Module):
                 "kv_b_proj.weight": head_slice(heads, self.nope_dim + self.v_head_dim, total),
                 "o_proj.weight": head_slice(heads, self.v_head_dim, total, dim=1)}
 
-    def attention_form(self, counts: torch.Tensor, input_row_offsets: torch.Tensor,
+    def attention_form(self, indices: torch.Tensor, counts: torch.Tensor, input_row_offsets: torch.Tensor,
                        cache_lengths: torch.Tensor) -> str:
         """``"expanded"`` or ``"absorbed"``: the form with fewer multiply-adds for a call whose rows select
-        ``counts`` keys, absorbed when the expanded keys and values would pass ``EXPANDED_MAX_BYTES``.
+        ``indices[r, :counts[r]]``, absorbed when the expanded keys and values would pass
+        ``EXPANDED_MAX_BYTES``.
 
         Per head, absorbed costs ``(2 * kv_lora_rank + rope) * selected + (nope + v) * kv_lora_rank * rows``
         (the kernel, then ``W_uk`` and ``W_uv`` per row); expanded ``(nope + v) * kv_lora_rank * held +
-        2 * width * selected`` (``kv_b_proj`` over the ``held`` cached rows of the sequences in the call,
-        then the kernel on keys and values ``width = max(qk_head_dim, v_head_dim)`` wide).
+        2 * width * selected * spread`` (``kv_b_proj`` over the ``held`` cached rows of the sequences in the
+        call, then the kernel on keys and values ``width = max(qk_head_dim, v_head_dim)`` wide). With one
+        query head per KV head the CPU kernel runs ``EXPANDED_ROWS_PER_TILE`` consecutive rows of a sequence
+        in one tile over the union of their selections: ``spread`` is that union over one row's selection,
+        measured on a few such groups (:func:`selection_spread`); 1 for a causal prefill under the top-k,
+        larger where neighbouring rows pick different keys.
         """
         rows = input_row_offsets.to(torch.int64).cpu()
         lengths = rows.diff()
-        held = int((cache_lengths.to(torch.int64).cpu() + lengths)[lengths > 0].sum())
+        held_per_sequence = (cache_lengths.to(torch.int64).cpu() + lengths)[lengths > 0]
+        held = int(held_per_sequence.sum())
         selected = int(counts.clamp(min=0).sum())
         rank, expanded_dim = self.kv_lora_rank, self.nope_dim + self.v_head_dim
         width = max(self.nope_dim + self.rope_dim, self.v_head_dim)
-        absorbed = (2 * rank + self.rope_dim) * selected + expanded_dim * rank * int(rows[-1])
-        expanded = expanded_dim * rank * held + 2 * width * selected
-        pages = int(((cache_lengths.to(torch.int64).cpu() + lengths)[lengths > 0] + EXPANDED_PAGE_SIZE - 1)
-                    .div(EXPANDED_PAGE_SIZE, rounding_mode="floor").sum())
+        pages = int((held_per_sequence + EXPANDED_PAGE_SIZE - 1).div(EXPANDED_PAGE_SIZE, rounding_mode="floor").sum())
         element = torch.finfo(self.kv_b_proj.weight.dtype).bits // 8
-        size = pages * EXPANDED_PAGE_SIZE * self.num_heads * 2 * width * element
-        return "expanded" if expanded < absorbed and size <= EXPANDED_MAX_BYTES else "absorbed"
+        if pages * EXPANDED_PAGE_SIZE * self.num_heads * 2 * width * element > EXPANDED_MAX_BYTES:
+            return "absorbed"
+        absorbed = (2 * rank + self.rope_dim) * selected + expanded_dim * rank * int(rows[-1])
+        expanded = expanded_dim * rank * held
+        if expanded >= absorbed:
+            return "absorbed"
+        spread = selection_spread(indices, counts, rows, EXPANDED_ROWS_PER_TILE)
+        return "expanded" if expanded + 2 * width * selected * spread < absorbed else "absorbed"
 
     def _expanded(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent_cache: PagedKVCacheCollection,
                   cache_layer: int, indices: torch.Tensor, counts: torch.Tensor,
@@ -339,4 +371,4 @@ class MlaSlice(nn.Module):
         return hidden, results
 
 
-__all__ = ["MODES", "MlaResult", "MlaSlice", "MlaSparseAttention"]
+__all__ = ["MODES", "MlaResult", "MlaSlice", "MlaSparseAttention", "selection_spread"]
