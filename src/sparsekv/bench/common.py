@@ -61,10 +61,19 @@ class BenchRow:
         """``peer_time / our_time``: how many times faster than the peer we are."""
         return self.peers_ms[peer] / self.time_ms
 
+    def ratios(self) -> dict[str, float]:
+        """:meth:`ratio` of every peer, and ``roof`` where both ``copy`` and ``peak`` were timed: the longer
+        of their two times (the op's bytes at copy speed, its multiply-adds at the register tile's peak:
+        the roofline's time for the op on this machine) over ours, the fraction of it the op reaches."""
+        ratios = {p: self.ratio(p) for p in self.peers_ms}
+        if "copy" in self.peers_ms and "peak" in self.peers_ms:
+            ratios["roof"] = max(self.peers_ms["copy"], self.peers_ms["peak"]) / self.time_ms
+        return ratios
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["gb_per_s"] = self.gb_per_s
-        d["ratios"] = {p: self.ratio(p) for p in self.peers_ms}
+        d["ratios"] = self.ratios()
         return d
 
 
@@ -252,13 +261,14 @@ def format_table(rows: list[BenchRow], load: LoadReport | None = None) -> str:
     under, when given, on the last line."""
     peers: list[str] = []
     for r in rows:
-        peers += [p for p in r.peers_ms if p not in peers]
+        peers += [p for p in r.ratios() if p not in peers]
     header = ["op", "shape", "dtype", "backend", "ms", "MB", "GB/s"] + [f"x{p}" for p in peers]
     body = []
     for r in rows:
         cells = [r.op, r.shape, r.dtype, r.backend, f"{r.time_ms:.3f}", f"{r.bytes_moved / 1e6:.1f}",
                  f"{r.gb_per_s:.2f}"]
-        cells += [f"{r.ratio(p):.2f}" if p in r.peers_ms else "-" for p in peers]
+        ratios = r.ratios()
+        cells += [f"{ratios[p]:.2f}" if p in ratios else "-" for p in peers]
         body.append(cells)
     widths = [max(len(str(x)) for x in col) for col in zip(header, *body)] if body else [len(h) for h in header]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(line, widths)) for line in [header, *body]]
@@ -266,6 +276,9 @@ def format_table(rows: list[BenchRow], load: LoadReport | None = None) -> str:
     legend = ["x<peer> = peer time / our time (above 1: faster than the peer)"]
     if "1thread" in peers:
         legend.append("x1thread = our op on one thread / our op (above 1: the threads help)")
+    if "roof" in peers:
+        legend.append("xroof = max(copy, peak) time / our time: the fraction of the roofline (bytes at copy speed, "
+                      "multiply-adds at the tile's peak) reached")
     if load is not None:
         legend.append(load.describe())
     return "\n".join(lines + legend)
