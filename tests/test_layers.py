@@ -325,6 +325,11 @@ def test_rotary_table_grows_past_the_positions_asked_for():
     assert first.shape[0] > 2048
     assert rotary.table(2049) is first
     assert torch.equal(first, rope_freqs_cis(first.shape[0], 8, 1e4))
+    given = RotaryTable(8, rows=lambda n: torch.ones(n, 8))
+    assert given.theta is None and torch.equal(given.table(5), torch.ones(1024, 8))
+    for theta, rows in ((None, None), (1e4, lambda n: torch.ones(n, 8))):
+        with pytest.raises(ValueError, match="exactly one of theta and rows"):
+            RotaryTable(8, theta, rows=rows)
 
 
 @pytest.mark.parametrize(("budget", "ratio"), [(8, 4), (2048, 4), (12, 3)])

@@ -37,7 +37,7 @@ class HFRotaryTable(RotaryTable):
     position ``p`` (float32, including its ``attention_scaling``), interleaved
     ``[cos_0, sin_0, cos_1, sin_1, ...]``, so that RoPE applied through
     sparsekv uses exactly the model's angles. Grown on demand by doubling
-    (:class:`sparsekv.layers.RotaryTable`).
+    (:class:`sparsekv.layers.RotaryTable` with these rows instead of a theta).
 
     Args:
         rotary_module: the text model's ``rotary_emb``; called as
@@ -47,10 +47,10 @@ class HFRotaryTable(RotaryTable):
     """
 
     def __init__(self, rotary_module: nn.Module, rotary_dim: int, device: torch.device) -> None:
-        super().__init__(rotary_dim, theta=float("nan"), device=device)
+        super().__init__(rotary_dim, device=device, rows=self._module_rows)
         self.rotary_module = rotary_module
 
-    def rows(self, num_positions: int) -> torch.Tensor:
+    def _module_rows(self, num_positions: int) -> torch.Tensor:
         positions = torch.arange(num_positions, device=self.device)[None, :]
         probe = torch.empty(0, dtype=torch.float32, device=self.device)
         with torch.no_grad():

@@ -39,6 +39,7 @@ the row-parallel ``o_proj`` with one all-reduce; the indexer is replicated.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -59,18 +60,25 @@ class RotaryTable:
 
     It grows to the first power of two (at least 1024) *above* the positions
     asked for, so the decode step after a prompt of exactly ``2**n`` tokens
-    does not rebuild it. Subclasses change where the rows come from
-    (:meth:`rows`).
+    does not rebuild it. Its rows come from ``theta`` (``rope_freqs_cis``) or,
+    given instead, from ``rows(num_positions)`` (e.g. a model's own rotary
+    module: ``sparsekv.integrations.hf_adapters.HFRotaryTable``).
     """
 
-    def __init__(self, rotary_dim: int, theta: float, device: torch.device | str | None = None) -> None:
+    def __init__(self, rotary_dim: int, theta: float | None = None, device: torch.device | str | None = None, *,
+                 rows: Callable[[int], torch.Tensor] | None = None) -> None:
+        if (theta is None) == (rows is None):
+            raise ValueError(f"RotaryTable: pass exactly one of theta and rows, got theta={theta!r}, rows={rows!r}")
         self.rotary_dim = rotary_dim
         self.theta = theta
         self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self._rows = rows
         self._table = torch.empty(0, rotary_dim, dtype=torch.float32, device=self.device)
 
     def rows(self, num_positions: int) -> torch.Tensor:
         """``[num_positions, rotary_dim]`` float32: interleaved ``[cos_0, sin_0, cos_1, ...]`` per position."""
+        if self._rows is not None:
+            return self._rows(num_positions)
         return rope_freqs_cis(num_positions, self.rotary_dim, self.theta, device=self.device)
 
     def table(self, num_positions: int) -> torch.Tensor:
