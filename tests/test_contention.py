@@ -83,11 +83,11 @@ def test_busy_processes_run_for_the_block_and_are_stopped_after(fail):
     assert "load: 2 busy processes" in format_table([], load)
 
 
-def test_roof_column_is_the_longer_of_copy_and_peak_over_ours():
+def test_roof_column_is_the_longer_of_read_and_peak_over_ours():
     from sparsekv.bench.common import BenchRow, format_table
 
-    memory_bound = BenchRow("op", "s", "fp32", "cpu", 2.0, 10, {"copy": 1.0, "peak": 0.5})
-    compute_bound = BenchRow("op", "s", "fp32", "cpu", 2.0, 10, {"copy": 0.5, "peak": 1.5})
+    memory_bound = BenchRow("op", "s", "fp32", "cpu", 2.0, 10, {"read": 1.0, "peak": 0.5, "copy": 3.0})
+    compute_bound = BenchRow("op", "s", "fp32", "cpu", 2.0, 10, {"read": 0.5, "peak": 1.5})
     assert memory_bound.ratios()["roof"] == 0.5 and compute_bound.ratios()["roof"] == 0.75
     assert "roof" not in BenchRow("op", "s", "fp32", "cpu", 2.0, 10, {"peak": 1.0}).ratios()
     table = format_table([memory_bound, compute_bound])

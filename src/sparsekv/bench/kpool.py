@@ -22,7 +22,7 @@ import torch
 from ..cache.pooled import make_pooled_collection
 from ..kernels.reference import kpool as reference
 from ..ops.kpool import kpool_pool_row_offsets, mla_kpool_compress, mla_kpool_score
-from .common import DTYPE_NAMES, BenchRow, copy_peer, one_thread, threads_check, time_interleaved
+from .common import DTYPE_NAMES, BenchRow, copy_peer, one_thread, read_peer, threads_check, time_interleaved
 from .peak import tile_peak_peer
 
 HEAD_DIM, KPOOL, INDEX_HEADS, TOPK, PAGE_SIZE = 128, 4, 32, 2048, 64
@@ -100,6 +100,7 @@ def _score_row(batch: int, tokens: int, dtype: torch.dtype, rounds: int, check_t
         "reference": lambda: reference.mla_kpool_score(ref_out, q, weights, blocks, cache.lookup_table, positions,
                                                        offsets, KPOOL, 0),
         "copy": copy_peer(nbytes),
+        "read": read_peer(nbytes),
         "peak": tile_peak_peer({dtype: batch * pools * INDEX_HEADS * HEAD_DIM})}, rounds=rounds)
     ours = times.pop("ours")
     err = float(((out - ref_out).abs().max() / ref_out.abs().max().clamp_min(1e-30)))

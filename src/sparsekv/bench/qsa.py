@@ -43,7 +43,7 @@ from ..cache.layout import PagedKVCacheCollection
 from ..numerics import rope_freqs_cis
 from ..ops.qsa import qsa_block_score, qsa_compress_keys_paged, qsa_select_tokens, qsa_sparse_attention_paged
 from .common import (DTYPE_NAMES, PAGE_SIZE, BenchRow, backend, copy_peer, one_thread, random_paged_blocks,
-                     threads_check, time_interleaved)
+                     read_peer, threads_check, time_interleaved)
 from .peak import tile_peak_peer
 from .remote import RemotePeer, RemotePeerError, python_env
 
@@ -159,7 +159,7 @@ def bench_block_score(batch: int, keys: int, rows_per_seq: int, dtype: torch.dty
     if rows_per_seq != ROWS_PER_SEQUENCE:  # max_peer.py runs the decode shape only
         max_python = None
     with max_peer(max_python, "block_score", batch, keys, dtype, threads) as peer:
-        ours, peers = _time_with_peers(call, peer, check_threads=check_threads, copy=copy_peer(nbytes), peak=peak)
+        ours, peers = _time_with_peers(call, peer, check_threads=check_threads, copy=copy_peer(nbytes), read=read_peer(nbytes), peak=peak)
     kind = "decode" if rows_per_seq <= ROWS_PER_SEQUENCE else "prefill chunk"
     return BenchRow("qsa_block_score", f"{kind}: B={batch} rows={rows_per_seq}/seq heads=4 blocks={max_blocks}",
                     DTYPE_NAMES[dtype], "cpu", ours, nbytes, peers, _max_note(peer, peers))
@@ -220,7 +220,7 @@ def bench_sparse_attention(batch: int, cached: int, dtype: torch.dtype, check_th
     if check_threads:
         ours, peers = threads_check(call)
         return BenchRow("qsa_sparse_attention_paged", shape, DTYPE_NAMES[dtype], "cpu", ours, nbytes, peers)
-    ours, peers = _time_with_peers(call, **dense_peers, copy=copy_peer(nbytes), peak=peak)
+    ours, peers = _time_with_peers(call, **dense_peers, copy=copy_peer(nbytes), read=read_peer(nbytes), peak=peak)
     slower = max(dense_peers, key=peers.__getitem__)  # compare against the dense peer's faster layout only
     note = f"dense peer layouts: {', '.join(f'{name} {peers[name]:.3f} ms' for name in dense_peers)}"
     del peers[slower]
