@@ -14,7 +14,9 @@ import sys
 import pytest
 
 import script_support
+from sparsekv.bench import manager
 from sparsekv.bench.manager import MaxManagerPeer, parse_peer_response, peer_request_line
+from sparsekv.bench.remote import RemotePeerError
 
 
 def load_script():
@@ -67,7 +69,40 @@ def test_serve_answers_every_line_and_goes_on_after_an_error():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("max") is not None, reason="MAX is importable here")
-def test_a_peer_without_max_fails_with_its_exit_status(capfd):
-    with pytest.raises(RuntimeError, match="MAX manager peer exited with status 1"):
+def test_a_peer_without_max_fails_with_its_exit_status_and_stderr():
+    message = r"MAX manager peer exited \(1\) at start: .*Modular MAX is not importable"
+    with pytest.raises(RemotePeerError, match=message):
         MaxManagerPeer(sys.executable, script_support.BENCHMARKS / "max_manager_peer.py")
-    assert "Modular MAX is not importable here" in capfd.readouterr().err
+
+
+# Stand-ins for ``max_manager_peer.py --serve`` that fail in each way the client must report in bounded time.
+INFO = 'print(json.dumps({"case": "info", "max": "0"}), flush=True)'
+FAILING_PEERS = {
+    "exits": ("sys.exit('fake peer: no MAX here')", r"exited \(1\) at start: fake peer: no MAX here"),
+    "garbage": ("sys.stderr.write('boom\\n'); sys.stderr.flush(); "
+                "print('Traceback (most recent call last):', flush=True); time.sleep(60)",
+                r"expected a JSON line, got 'Traceback.*\(stderr: boom\)"),
+    "silent": ("sys.stderr.write('still importing\\n'); sys.stderr.flush(); time.sleep(60)",
+               r"no answer to start within 2 s: still importing"),
+    "dies_at_request": (f"{INFO}; sys.stdin.readline(); sys.exit('fake peer: out of pages')",
+                        r"exited \(1\) at a decode request: fake peer: out of pages"),
+}
+
+
+@pytest.mark.parametrize("name", FAILING_PEERS)
+def test_a_failing_peer_is_reported_with_its_stderr_and_ended(tmp_path, monkeypatch, name):
+    started = []
+
+    class Recorded(manager.PeerProcess):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            started.append(self)
+
+    monkeypatch.setattr(manager, "PeerProcess", Recorded)
+    body, message = FAILING_PEERS[name]
+    script = tmp_path / "peer.py"
+    script.write_text(f"import json, sys, time\n{body}\n")
+    with pytest.raises(RemotePeerError, match=message):
+        with MaxManagerPeer(sys.executable, script, start_timeout_s=2, call_timeout_s=2, grace_s=0.5) as peer:
+            peer.time("decode", 2, 8, 1)
+    assert len(started) == 1 and not script_support.alive(started[0].pid)

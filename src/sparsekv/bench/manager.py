@@ -29,7 +29,6 @@ from __future__ import annotations
 import itertools
 import json
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,6 +37,7 @@ import torch
 
 from ..cache.manager import CacheGroupSpec, PagedKVCacheManager
 from .common import BenchRow, time_call
+from .remote import PeerProcess
 
 PAGE_SIZE = 16
 _GROUPS = (
@@ -105,30 +105,29 @@ class MaxManagerPeer:
     Args:
         python: the interpreter of the environment MAX is installed in.
         script: path of ``benchmarks/max_manager_peer.py``.
+        start_timeout_s: how long to wait for its first line (MAX imported, ``info`` below).
+        call_timeout_s: how long to wait for the answer to one request.
+        grace_s: how long :meth:`close` waits for it to exit at the end of its stdin before killing it.
+
+    ``info`` is the peer's first answer (MAX's version, page hash, page size). A peer that exits,
+    stops answering or answers an error or something unreadable raises
+    :class:`.remote.RemotePeerError` (a ``RuntimeError``) quoting the end of its stderr.
     """
 
-    def __init__(self, python: str | Path, script: str | Path) -> None:
-        self._process = subprocess.Popen([str(python), str(script), "--serve"], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, text=True, bufsize=1)
-        self.info = self._read()  # the peer's first line: MAX is imported
-
-    def _read(self) -> dict:
-        line = self._process.stdout.readline()
-        if not line:
-            code = self._process.wait()
-            raise RuntimeError(f"MAX manager peer exited with status {code} (its error is printed above)")
-        return parse_peer_response(line)
+    def __init__(self, python: str | Path, script: str | Path, *, start_timeout_s: float = 900.0,
+                 call_timeout_s: float = 300.0, grace_s: float = 30.0) -> None:
+        self.call_timeout_s = call_timeout_s
+        self.process = PeerProcess([str(python), str(script), "--serve"], name="MAX manager peer", grace_s=grace_s)
+        self.info = self.process.handshake(parse_peer_response, start_timeout_s)
 
     def time(self, case: str, batch: int, length: int, calls: int, capacity: int = 64) -> dict:
         """``calls`` timed calls of ``case``; the answer's ``ms`` lists each call's milliseconds."""
-        self._process.stdin.write(peer_request_line(case, batch, length, calls, capacity) + "\n")
-        self._process.stdin.flush()
-        return self._read()
+        return self.process.exchange(peer_request_line(case, batch, length, calls, capacity) + "\n",
+                                     parse_peer_response, self.call_timeout_s, f"a {case} request")
 
     def close(self) -> None:
-        if self._process.poll() is None:
-            self._process.stdin.close()
-            self._process.wait(timeout=30)
+        """End the peer's process (idempotent)."""
+        self.process.close()
 
     def __enter__(self) -> MaxManagerPeer:
         return self

@@ -15,6 +15,8 @@ requests on its stdin and stdout, one JSON object per line:
 :func:`.common.time_interleaved` times it in the same rounds as the calls of
 this process, by its own clock and without the pipe's round trip. While one
 side runs, the other waits on the pipe. :func:`serve` is the server loop.
+:class:`PeerProcess` is the process under any such client, whatever its lines
+say: start, line reads with a timeout, stderr tail in errors, kill on close.
 """
 
 from __future__ import annotations
@@ -26,8 +28,12 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TypeVar
 
 from .common import SelfTimedPeer
+
+
+_T = TypeVar("_T")
 
 
 class RemotePeerError(RuntimeError):
@@ -118,75 +124,94 @@ def serve(run: Callable[[], object], lines: Iterable[str], write: Callable[[str]
     return answered
 
 
-class RemotePeer(SelfTimedPeer):
-    """The client of a peer's process: starts ``command``, waits for its ready line, times calls there.
+class PeerProcess:
+    """A server process driven one line at a time: ``command`` started with pipes on its stdin and stdout.
 
-    ``info`` holds the ready line's other keys. :meth:`close` (or leaving the ``with`` block) ends the
-    process: it closes its stdin, waits ``grace_s`` for it to exit, then kills it; it is reaped either way.
-    The process's stderr goes to a temporary file, whose last lines any :class:`RemotePeerError` quotes.
+    Its stderr goes to a temporary file; every :class:`RemotePeerError` raised here quotes its last lines.
+    ``name`` begins those errors' messages. :meth:`close` (or leaving the ``with`` block) ends the process:
+    it closes its stdin, waits ``grace_s`` for it to exit, then kills it; it is reaped either way, and a
+    process still running when this object is garbage-collected is killed.
     """
 
-    def __init__(self, command: Sequence[str], *, env: Mapping[str, str] | None = None,
-                 start_timeout_s: float = 900.0, call_timeout_s: float = 300.0, grace_s: float = 5.0) -> None:
+    def __init__(self, command: Sequence[str], *, env: Mapping[str, str] | None = None, name: str = "peer",
+                 grace_s: float = 5.0) -> None:
         self.command = list(command)
-        self.call_timeout_s = call_timeout_s
+        self.name = name
         self.grace_s = grace_s
         self._stderr = tempfile.TemporaryFile(mode="w+b")
         try:
-            self.process = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                            stderr=self._stderr, env=None if env is None else dict(env),
-                                            text=True, bufsize=1)
+            self._popen = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                           stderr=self._stderr, env=None if env is None else dict(env),
+                                           text=True, bufsize=1)
         except OSError as exc:
             self._stderr.close()
             raise RemotePeerError(f"cannot start {self.command[0]}: {exc}") from exc
-        try:
-            ready = _object(self._read_line(start_timeout_s, "start"), "ready line")
-            if "error" in ready:
-                raise RemotePeerError(f"peer did not start: {ready['error']}")
-            if ready.get("ready") is not True:
-                raise RemotePeerError(f"peer did not start: unexpected first line {ready}")
-        except BaseException as exc:
-            self.close()
-            if isinstance(exc, ValueError):
-                raise RemotePeerError(str(exc)) from exc
-            raise
-        self.info = {key: value for key, value in ready.items() if key != "ready"}
 
-    def _stderr_tail(self, lines: int = 3) -> str:
+    @property
+    def pid(self) -> int:
+        return self._popen.pid
+
+    def stderr_tail(self, lines: int = 3) -> str:
+        """The last ``lines`` lines of the process's stderr, joined by `` | ``."""
         if self._stderr.closed:
             return "its stderr is closed"
         self._stderr.seek(0)
         tail = self._stderr.read().decode(errors="replace").strip().splitlines()[-lines:]
         return " | ".join(tail) if tail else "nothing on stderr"
 
-    def _read_line(self, timeout_s: float, what: str) -> str:
-        stdout = self.process.stdout
+    def read_line(self, timeout_s: float, what: str) -> str:
+        """The next line of the process's stdout (with its newline), waiting at most ``timeout_s``."""
+        stdout = self._popen.stdout
         ready, _, _ = select.select([stdout], [], [], timeout_s)
         if not ready:
-            raise RemotePeerError(f"peer: no answer to {what} within {timeout_s:.0f} s")
+            raise RemotePeerError(f"{self.name}: no answer to {what} within {timeout_s:g} s: {self.stderr_tail()}")
         line = stdout.readline()
         if not line:
-            code = self.process.wait(timeout=self.grace_s)
-            raise RemotePeerError(f"peer exited ({code}) at {what}: {self._stderr_tail()}")
+            try:
+                code = self._popen.wait(timeout=self.grace_s)
+            except subprocess.TimeoutExpired:
+                raise RemotePeerError(f"{self.name} closed its stdout at {what}: {self.stderr_tail()}") from None
+            raise RemotePeerError(f"{self.name} exited ({code}) at {what}: {self.stderr_tail()}")
         return line
 
-    def time_calls(self, calls: int, warmup: int = 0) -> float:
-        if self.process.poll() is not None:
-            raise RemotePeerError(f"peer exited ({self.process.returncode}): {self._stderr_tail()}")
+    def write_line(self, line: str) -> None:
+        """Send ``line`` (ending in a newline) to the process's stdin at once."""
+        if self._popen.poll() is not None:
+            raise RemotePeerError(f"{self.name} exited ({self._popen.returncode}): {self.stderr_tail()}")
         try:
-            self.process.stdin.write(request_line(calls, warmup))
-            self.process.stdin.flush()
-        except (BrokenPipeError, OSError) as exc:
-            raise RemotePeerError(f"peer: cannot send a request ({exc}): {self._stderr_tail()}") from exc
-        line = self._read_line(self.call_timeout_s, f"a request for {calls} calls")
+            self._popen.stdin.write(line)
+            self._popen.stdin.flush()
+        except OSError as exc:
+            raise RemotePeerError(f"{self.name}: cannot send a request ({exc}): {self.stderr_tail()}") from exc
+
+    def _parsed(self, line: str, parse: Callable[[str], _T]) -> _T:
         try:
-            return parse_reply(line, calls)
-        except ValueError as exc:
-            raise RemotePeerError(str(exc)) from exc
+            return parse(line)
+        except (ValueError, RuntimeError) as exc:
+            raise RemotePeerError(f"{exc} (stderr: {self.stderr_tail()})") from exc
+
+    def handshake(self, parse: Callable[[str], _T], timeout_s: float) -> _T:
+        """``parse`` of the process's first line, read within ``timeout_s``; closes the process on any failure.
+
+        A ``ValueError`` or ``RuntimeError`` from ``parse`` becomes a :class:`RemotePeerError` with the
+        stderr tail.
+        """
+        try:
+            return self._parsed(self.read_line(timeout_s, "start"), parse)
+        except BaseException:
+            self.close()
+            raise
+
+    def exchange(self, line: str, parse: Callable[[str], _T], timeout_s: float, what: str) -> _T:
+        """Send ``line``, then ``parse`` of the answer read within ``timeout_s``; ``what`` names the request
+        in errors. A ``ValueError`` or ``RuntimeError`` from ``parse`` becomes a :class:`RemotePeerError`
+        with the stderr tail."""
+        self.write_line(line)
+        return self._parsed(self.read_line(timeout_s, what), parse)
 
     def close(self) -> None:
         """End the process (idempotent)."""
-        process = self.process
+        process = self._popen
         if process.poll() is None:
             try:
                 process.stdin.close()
@@ -206,16 +231,56 @@ class RemotePeer(SelfTimedPeer):
         if not self._stderr.closed:
             self._stderr.close()
 
-    def __enter__(self) -> RemotePeer:
+    def __enter__(self) -> PeerProcess:
         return self
 
     def __exit__(self, *exc_info) -> None:
         self.close()
 
     def __del__(self) -> None:
-        if getattr(self, "process", None) is not None and self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
+        if getattr(self, "_popen", None) is not None and self._popen.poll() is None:
+            self._popen.kill()
+            self._popen.wait()
+
+
+def _ready(line: str) -> dict:
+    ready = _object(line, "ready line")
+    if "error" in ready:
+        raise RemotePeerError(f"peer did not start: {ready['error']}")
+    if ready.get("ready") is not True:
+        raise RemotePeerError(f"peer did not start: unexpected first line {ready}")
+    return ready
+
+
+class RemotePeer(SelfTimedPeer):
+    """The client of a peer's process: starts ``command``, waits for its ready line, times calls there.
+
+    ``info`` holds the ready line's other keys; ``process`` is the :class:`PeerProcess`, which
+    :meth:`close` (or leaving the ``with`` block) ends. Its errors are :class:`RemotePeerError` quoting
+    the end of the process's stderr.
+    """
+
+    def __init__(self, command: Sequence[str], *, env: Mapping[str, str] | None = None,
+                 start_timeout_s: float = 900.0, call_timeout_s: float = 300.0, grace_s: float = 5.0) -> None:
+        self.command = list(command)
+        self.call_timeout_s = call_timeout_s
+        self.process = PeerProcess(self.command, env=env, grace_s=grace_s)
+        ready = self.process.handshake(_ready, start_timeout_s)
+        self.info = {key: value for key, value in ready.items() if key != "ready"}
+
+    def time_calls(self, calls: int, warmup: int = 0) -> float:
+        return self.process.exchange(request_line(calls, warmup), lambda line: parse_reply(line, calls),
+                                     self.call_timeout_s, f"a request for {calls} calls")
+
+    def close(self) -> None:
+        """End the process (idempotent)."""
+        self.process.close()
+
+    def __enter__(self) -> RemotePeer:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
 
 def python_env(extra_path: str | os.PathLike | None) -> dict[str, str]:
