@@ -83,6 +83,15 @@ def test_busy_processes_run_for_the_block_and_are_stopped_after(fail):
     assert "load: 2 busy processes" in format_table([], load)
 
 
+def test_balanced_order_pairs_early_and_late_tasks():
+    from sparsekv.kernels.cpu._parallel import balanced_order
+
+    for tasks in (1, 2, 5, 8):
+        order = [balanced_order(task, tasks) for task in range(tasks)]
+        assert sorted(order) == list(range(tasks))
+    assert [balanced_order(task, 6) for task in range(6)] == [0, 5, 1, 4, 2, 3]
+
+
 def test_roof_column_is_the_longer_of_read_and_peak_over_ours():
     from sparsekv.bench.common import BenchRow, format_table
 

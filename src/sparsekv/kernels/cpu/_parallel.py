@@ -298,3 +298,12 @@ class numba_threads:  # noqa: N801 - used like a function: ``with numba_threads(
 def threads_for(work: int) -> numba_threads:
     """All of numba's threads for ``work`` (multiply-adds or elements) of at least ``PARALLEL_MIN_WORK``, else one."""
     return numba_threads(_ALL_THREADS if work >= PARALLEL_MIN_WORK else 1)
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def balanced_order(task, tasks):
+    """The ``task``-th of ``tasks`` in the order first, last, second, second to last, ...: each contiguous
+    half of the iterations (numba splits a ``prange`` into equal contiguous runs, one per thread) then holds
+    as many early tasks as late ones, where work grows or shrinks along the tasks (a causal prefill's late
+    rows select more keys than its early ones; its late key chunks are seen by fewer rows)."""
+    return task // 2 if task % 2 == 0 else tasks - 1 - task // 2

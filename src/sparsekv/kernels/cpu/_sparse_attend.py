@@ -47,7 +47,7 @@ from ._bits import as_numba, narrow, widen
 from ._math import scaled_softmax_in_place, scaled_softmax_of_members
 from ._pages import check_counted_entries
 from ._paged_rows import flat_plane, query_tile_of_heads, sequence_of_rows, token_starts, zero_heads
-from ._parallel import PARALLEL_JIT, threads_for
+from ._parallel import PARALLEL_JIT, balanced_order, threads_for
 from ._tile_ir import KEYS_PER_TILE, VECTOR, WEIGHTED_CHANNELS
 from ._tile_ops import (KEYS_PER_TASK, dots_of_gathered_rows, gather_rows, new_query_tiles, new_scratch,
                         new_value_scratch, put_query, weighted_rows)
@@ -244,15 +244,17 @@ def sparse_attention_kernel(out, lse, q, cache, page_stride, key_base, value_shi
     padded_v = (out.shape[2] + WEIGHTED_CHANNELS - 1) // WEIGHTED_CHANNELS * WEIGHTED_CHANNELS
     if rows_per_task > 1:
         rows_per_block = rows_per_task * groups_per_task
-        for task in prange((total_q + rows_per_block - 1) // rows_per_block):
-            first_row = task * rows_per_block
+        blocks = (total_q + rows_per_block - 1) // rows_per_block
+        for task in prange(blocks):
+            first_row = balanced_order(task, blocks) * rows_per_block
             attend_row_groups(out, lse, q, cache, page_stride, key_base, value_shift, page_size, kv_heads, table,
                               indices, counts, seq_of_row, scale, gate, has_gate, first_row,
                               min(first_row + rows_per_block, total_q), rows_per_task, lanes, padded_v)
         return
     chunks = (group + heads_per_task - 1) // heads_per_task
     for task in prange(total_q * kv_heads * chunks):
-        r, kv_head, chunk = task // (kv_heads * chunks), task // chunks % kv_heads, task % chunks
+        r = balanced_order(task // (kv_heads * chunks), total_q)
+        kv_head, chunk = task // chunks % kv_heads, task % chunks
         h0 = kv_head * group + chunk * heads_per_task
         attend_heads(out, lse, q, cache, page_stride, key_base, value_shift, page_size, kv_heads, table, indices,
                      counts, seq_of_row, scale, gate, has_gate, r, kv_head, h0,

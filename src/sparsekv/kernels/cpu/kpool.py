@@ -57,7 +57,7 @@ from ._tile_ir import KEYS_PER_TILE, VECTOR
 from ._tile_ops import KEYS_PER_TASK, dots_of_rows, new_scratch, transpose_dots
 from ._math import exp_f32
 from ._pages import first_missing_page
-from ._parallel import numba_threads, threads_for
+from ._parallel import balanced_order, numba_threads, threads_for
 
 _MODE_SOFTMAX, _MODE_MEAN = 0, 1
 _POOLS_PER_TASK = 64  # pools per prange task: enough work to amortise scheduling, small scratch
@@ -292,7 +292,8 @@ def _score_kernel(scores, q, head_weights, cache, page_stride, base, per_page, t
     num_keys, task_starts, group_starts, q_t, group_rows = plan_score_tasks(scores, q, offsets, visible)
     group_lanes = q_t.shape[2]
     for task in numba.prange(task_starts[batch]):
-        b, first_row, end_row, p0, chunk = score_task(task, task_starts, num_keys, offsets)
+        in_order = balanced_order(task, task_starts[batch])
+        b, first_row, end_row, p0, chunk = score_task(in_order, task_starts, num_keys, offsets)
         scratch = new_scratch(cache, dim)
         dots = np.empty((KEYS_PER_TASK + KEYS_PER_TILE, group_lanes), np.float32)
         lane_dots = np.empty((group_lanes, KEYS_PER_TASK + KEYS_PER_TILE), np.float32)

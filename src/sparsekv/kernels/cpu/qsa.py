@@ -70,7 +70,7 @@ from ._tile_ir import KEYS_PER_TILE, SQUARE_SUM_ROWS, VECTOR
 from ._tile_ops import KEYS_PER_TASK, dots_of_rows, new_scratch, square_sums_in_order, transpose_dots
 from ._pages import first_missing_page
 from ._paged_rows import flat_plane
-from ._parallel import PARALLEL_JIT, threads_for
+from ._parallel import PARALLEL_JIT, balanced_order, threads_for
 from ._sparse_attend import sparse_attention
 
 _ROWS_PER_TASK = 64  # block-key rows per compress task (groups of SQUARE_SUM_ROWS: their RMSNorm sums run at once)
@@ -213,7 +213,8 @@ def _block_score_kernel(scores, q, keys, offsets, positions, ratio, max_blocks, 
     group_lanes = q_t.shape[2]
     unit_weights = np.ones(heads, np.float32)  # the block score sums relu(dot) unweighted
     for task in prange(task_starts[batch]):
-        b, first_row, end_row, g0, chunk = score_task(task, task_starts, num_keys, offsets)
+        in_order = balanced_order(task, task_starts[batch])
+        b, first_row, end_row, g0, chunk = score_task(in_order, task_starts, num_keys, offsets)
         rows = keys[b * max_blocks + g0 : b * max_blocks + g0 + chunk]
         scratch = new_scratch(keys, dim)
         dots = np.empty((KEYS_PER_TASK + KEYS_PER_TILE, group_lanes), np.float32)
