@@ -272,6 +272,38 @@ def test_mla_absorbed_equals_expanded_and_shared_layers_reuse_the_selection():
     assert counts.tolist() == [min(t + 1, 9) for t in range(29)]  # kpool 1: topk tokens, no tail
 
 
+def test_mla_forms_agree_on_a_ragged_batch_with_idle_sequences():
+    """Three requests, each call giving rows to some of them only: expanded (a temporary page table with
+    no page for an idle sequence) and auto equal absorbed."""
+    slice_ = MlaSlice(DSA, 50)
+    seed_parameters(slice_, 6)
+
+    def run(mode):
+        manager = PagedKVCacheManager(mla_cache_groups(DSA, torch.float32), page_size=PAGE, num_pages=32,
+                                      enable_prefix_caching=False)
+        for rid in "abc":
+            manager.claim(rid)
+        tokens, outputs = torch.Generator().manual_seed(1), []
+        for lengths in ([7, 0, 5], [0, 9, 3], [4, 2, 0]):
+            for rid, n in zip("abc", lengths):
+                if n:
+                    manager.allocate(rid, n)
+            batch = manager.prepare(list("abc"), lengths)
+            with torch.no_grad():
+                hidden, _ = slice_(torch.randint(0, 50, (sum(lengths),), generator=tokens),
+                                   input_row_offsets=batch.input_row_offsets, latent_cache=batch.collection("latent"),
+                                   index_cache=batch.collection("indexer"), mode=mode)
+            for rid, n in zip("abc", lengths):
+                if n:
+                    manager.step(rid, [0] * n)
+            outputs.append(hidden)
+        return torch.cat(outputs)
+
+    absorbed = run("absorbed")
+    for mode in ("expanded", "auto"):
+        torch.testing.assert_close(run(mode), absorbed, rtol=1e-5, atol=1e-5)
+
+
 def test_mla_auto_form_follows_the_multiply_adds_and_the_memory_cap(monkeypatch):
     """A prefill selecting much of a short history runs expanded; a decode step, expanded keys and values past
     EXPANDED_MAX_BYTES, or neighbouring rows that select different keys (a wide union per tile) run absorbed."""
