@@ -20,18 +20,23 @@ first ``v_dim`` channels of the latent row itself (``value_shift = 0``).
 A KV head with at most 8 query heads fills half a tile or less. In a
 prefill, where one sequence has many consecutive rows whose selections
 overlap (every causal token below the top-k, neighbours' top-k beyond),
-``16 // group`` consecutive rows share one tile (:func:`attend_packed_rows`):
-their queries are its lanes, the keys the union of their selections in
-position order, and a key a row did not select weighs an exact 0 for that
-row's lanes, so each row's bits are the ones it gets alone. Rows whose union
-is too large, whose positions are not increasing, or that span two sequences
-run one by one.
+``16 // group`` consecutive rows share one tile, 32 rows (two vectors) with
+one query head per KV head (:func:`attend_packed_rows`): their queries are
+its lanes, the keys the union of their selections in position order, and a
+key a row did not select weighs an exact 0 for that row's lanes, so each
+row's bits are the ones it gets alone. Rows whose union is too large, whose
+positions are not increasing, or that span two sequences run one by one.
+The union of a group serves every KV head; with several KV heads a task
+takes up to ``GROUPS_PER_TASK`` groups and runs them KV head by KV head
+(:func:`attend_row_groups`), so a head's keys, read again by the next group,
+are still in cache.
 
 Heads are split into chunks only as far as needed to give every thread a
 task (a decode step of one sequence still uses every core); each head's
 arithmetic is the same whatever chunk or tile it lands in (lanes are
 independent, the channel and key orders fixed), so results do not depend on
-the thread count or the batch.
+the thread count or the batch. Tasks run in :func:`._parallel.balanced_order`
+(a causal prefill's late rows select more keys than its early ones).
 """
 
 from __future__ import annotations
