@@ -20,7 +20,7 @@ if __name__ == "__main__":
                         help="run with N busy processes competing for the CPUs (stopped at the end)")
     parser.add_argument("--threads", type=int, help="torch and numba threads (default: as configured)")
     parser.add_argument("--threads-check", action="store_true",
-                        help="ours and the 1thread peer only, 120 rounds, mean times: the check that threads never hurt")
+                        help="ours and the 1thread peer only, 120 rounds: the check that threads never hurt")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

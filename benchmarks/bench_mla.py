@@ -23,7 +23,7 @@ if __name__ == "__main__":
     parser.add_argument("--best-of", type=int, default=0, metavar="N",
                         help="the fastest of N back-to-back calls of ours, the reference and the peak peer")
     parser.add_argument("--threads-check", action="store_true",
-                        help="ours and the 1thread peer only, 120 rounds, mean times: the check that threads never hurt")
+                        help="ours and the 1thread peer only, 120 rounds: the check that threads never hurt")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -9,7 +9,7 @@ then starts ``benchmarks/max_peer.py --serve`` there and times MAX's kernel
 for a ``max`` peer column in the same rounds as ours (stopped when the row
 ends). ``--only compress,block_score`` keeps the rows of those ops.
 ``--threads-check`` times ours against the same op on one thread only, in
-120 rounds (mean times): with other peers in the rounds (another process's threads above
+120 rounds: with other peers in the rounds (another process's threads above
 all), two calls of a millisecond are not compared under the same
 conditions; this is the check that threads never hurt, quiet or with
 ``--contention N``.
@@ -32,7 +32,7 @@ if __name__ == "__main__":
     parser.add_argument("--max-python", help="a Python with Modular MAX, for the 'max' peer column")
     parser.add_argument("--threads", type=int, help="threads for torch, numba and MAX (default: their own)")
     parser.add_argument("--threads-check", action="store_true",
-                        help="ours and the 1thread peer only, 120 rounds, mean times (ignores --max-python)")
+                        help="ours and the 1thread peer only, 120 rounds (ignores --max-python)")
     args = parser.parse_args()
     if args.only is not None and (not args.only or set(args.only) - set(qsa.OPS)):
         parser.error(f"--only: expected ops from {','.join(qsa.OPS)}, got {','.join(args.only) or 'nothing'}")

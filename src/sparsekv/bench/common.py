@@ -141,10 +141,8 @@ def _round_ms(fn: Callable[[], object], repeats: int, device: torch.device | Non
 
 
 def time_interleaved(calls: dict[str, Callable[[], object]], *, rounds: int = 9,
-                     device: torch.device | str | None = None, round_ms: float = 2.0,
-                     statistic: Callable[[list[float]], float] = statistics.median) -> dict[str, float]:
-    """Per-call time (ms) of every call, measured in interleaved rounds: the ``statistic`` (median) of its
-    rounds.
+                     device: torch.device | str | None = None, round_ms: float = 2.0) -> dict[str, float]:
+    """Median per-call time (ms) of every call, measured in interleaved rounds.
 
     Each round runs every call in turn, in an order shuffled each round (with
     a fixed seed): once untimed (so that every call is timed with its own
@@ -170,7 +168,7 @@ def time_interleaved(calls: dict[str, Callable[[], object]], *, rounds: int = 9,
         shuffle(order)
         for name in order:
             samples[name].append(_round_ms(calls[name], repeats[name], device))
-    return {name: statistic(times) for name, times in samples.items()}
+    return {name: statistics.median(times) for name, times in samples.items()}
 
 
 THREADS_CHECK_ROUNDS = 120
@@ -179,15 +177,8 @@ rounds, another process's threads above all, disturb a comparison of two calls o
 
 
 def threads_check(call: Callable[[], object]) -> tuple[float, dict[str, float]]:
-    """Our mean time (ms) and the ``1thread`` peer's, in :data:`THREADS_CHECK_ROUNDS` interleaved rounds.
-
-    Means, not medians: under load a call's time is bimodal (preempted by another process's scheduler
-    slice or not; e.g. 4.6-5.2 ms against 8.8-9.1 ms for a decode block score with two busy processes),
-    and when about half the rounds are preempted the median of either side falls on one mode or the other
-    by chance (ratios of 0.57 and 1.54 for the same op, whose two distributions agreed within 5% at every
-    decile); the mean is what the calls cost."""
-    times = time_interleaved({"ours": call, "1thread": one_thread(call)}, rounds=THREADS_CHECK_ROUNDS,
-                             statistic=statistics.fmean)
+    """Our median time (ms) and the ``1thread`` peer's, in :data:`THREADS_CHECK_ROUNDS` interleaved rounds."""
+    times = time_interleaved({"ours": call, "1thread": one_thread(call)}, rounds=THREADS_CHECK_ROUNDS)
     return times.pop("ours"), times
 
 
