@@ -41,3 +41,14 @@ def test_spec_close_reports_instead_of_raising():
     assert spec_close(torch.tensor([3, 4], dtype=torch.int32), torch.tensor([3, 5], dtype=torch.int32)) == (
         False, "1 entries differ")
     assert spec_close(expected[:2], expected) == (False, "shape (2,) != (3,)")
+
+
+def test_atol_lets_a_16_bit_element_within_it_count_as_one_ulp():
+    expected = torch.tensor([2.3e-6] + [1.0] * 199, dtype=torch.bfloat16)
+    off = expected.clone()
+    off[0] = 2.26e-6  # several bf16 ulps below, 4e-8 away
+    with pytest.raises(AssertionError, match="ulps apart"):
+        assert_spec_close(off, expected)
+    assert_spec_close(off, expected, atol=1e-7)
+    with pytest.raises(AssertionError, match="ulps apart"):
+        assert_spec_close(off, expected, atol=1e-8)
