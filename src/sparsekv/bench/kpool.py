@@ -2,10 +2,12 @@
 
 Shapes: ``D = 128``, ``kpool = 4``, 32 index heads, ``topk = 2048``; ``B = 4``
 requests of 8192 and 32768 tokens; bf16 and fp32. Peers measured in the same
-run: our op on one thread (``x1thread``: above 1 when the threads help), the reference kernel (``xreference``: how many times faster the fast path
-is), a torch copy of the same bytes (``xcopy``: our GB/s over the copy's) and,
-for score, the same multiply-adds at the register tile's peak (``xpeak``: the
-fraction of the peak reached, :mod:`.peak`).
+run: our op on one thread (``x1thread``: above 1 when the threads help), the
+reference kernel (``xreference``: how many times faster the fast path is), a
+torch copy of the same bytes (``xcopy``: our GB/s over the copy's) and, for
+score, a read of the same bytes and the same multiply-adds at the register
+tile's peak (``xpeak``: the fraction of the peak reached, :mod:`.peak`;
+``xroof``: of the longer of the two, :meth:`.common.BenchRow.ratios`).
 
 * compress: one prefill call per request (cache empty), mode softmax, through
   the public op. Bytes: ``k`` and ``gate`` read once, pooled keys written.

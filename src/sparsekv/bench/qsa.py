@@ -14,7 +14,9 @@ each KV head's query heads as the rows of one attention; ``sdpa(gqa)``:
 ``enable_gqa=True``, one row per query head, 7-20x slower on torch's CPU
 path; the row's note gives both times), for block score and sparse attention
 the same multiply-adds at the register tile's peak (``peak``, :mod:`.peak`;
-its column is the fraction of the peak reached) and, when a Python with
+its column is the fraction of the peak reached) and a read of the op's bytes
+(``read``: with ``peak``, the ``xroof`` column of
+:meth:`.common.BenchRow.ratios`) and, when a Python with
 Modular MAX is given, MAX's own CPU kernel (``max``) on the compress and
 decode block-score rows.
 
@@ -159,7 +161,8 @@ def bench_block_score(batch: int, keys: int, rows_per_seq: int, dtype: torch.dty
     if rows_per_seq != ROWS_PER_SEQUENCE:  # max_peer.py runs the decode shape only
         max_python = None
     with max_peer(max_python, "block_score", batch, keys, dtype, threads) as peer:
-        ours, peers = _time_with_peers(call, peer, check_threads=check_threads, copy=copy_peer(nbytes), read=read_peer(nbytes), peak=peak)
+        ours, peers = _time_with_peers(call, peer, check_threads=check_threads, copy=copy_peer(nbytes),
+                                       read=read_peer(nbytes), peak=peak)
     kind = "decode" if rows_per_seq <= ROWS_PER_SEQUENCE else "prefill chunk"
     return BenchRow("qsa_block_score", f"{kind}: B={batch} rows={rows_per_seq}/seq heads=4 blocks={max_blocks}",
                     DTYPE_NAMES[dtype], "cpu", ours, nbytes, peers, _max_note(peer, peers))
