@@ -99,6 +99,17 @@ def selection_spread(indices: torch.Tensor, counts: torch.Tensor, input_row_offs
     return union * rows_per_group / selected if selected else 1.0
 
 
+def _expanded_pages(input_row_offsets: torch.Tensor,
+                    cache_lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(rows, held, pages)`` per sequence, host int64 ``[B]``: its rows in the call, the tokens it holds
+    with them, and the ``EXPANDED_PAGE_SIZE``-token pages its expanded keys and values take (0 for a
+    sequence without rows in the call)."""
+    rows = input_row_offsets.to(torch.int64).cpu().diff()
+    held = cache_lengths.to(torch.int64).cpu() + rows
+    pages = (held + EXPANDED_PAGE_SIZE - 1).div(EXPANDED_PAGE_SIZE, rounding_mode="floor") * (rows > 0)
+    return rows, held, pages
+
+
 class MlaResult(NamedTuple):
     """One layer call."""
 
@@ -236,6 +247,10 @@ class MlaSparseAttention(nn.Module):
                 "kv_b_proj.weight": head_slice(heads, self.nope_dim + self.v_head_dim, total),
                 "o_proj.weight": head_slice(heads, self.v_head_dim, total, dim=1)}
 
+    def _expanded_width(self) -> int:
+        """Channels of the expanded keys and values (the wider of ``qk_head_dim`` and ``v_head_dim``)."""
+        return max(self.nope_dim + self.rope_dim, self.v_head_dim)
+
     def attention_form(self, indices: torch.Tensor, counts: torch.Tensor, input_row_offsets: torch.Tensor,
                        cache_lengths: torch.Tensor) -> str:
         """``"expanded"`` or ``"absorbed"``: the form with fewer multiply-adds for a call whose rows select
@@ -251,22 +266,18 @@ class MlaSparseAttention(nn.Module):
         measured on a few such groups (:func:`selection_spread`); 1 for a causal prefill under the top-k,
         larger where neighbouring rows pick different keys.
         """
-        rows = input_row_offsets.to(torch.int64).cpu()
-        lengths = rows.diff()
-        held_per_sequence = (cache_lengths.to(torch.int64).cpu() + lengths)[lengths > 0]
-        held = int(held_per_sequence.sum())
+        rows, held, pages = _expanded_pages(input_row_offsets, cache_lengths)
         selected = int(counts.clamp(min=0).sum())
-        rank, expanded_dim = self.kv_lora_rank, self.nope_dim + self.v_head_dim
-        width = max(self.nope_dim + self.rope_dim, self.v_head_dim)
-        pages = int((held_per_sequence + EXPANDED_PAGE_SIZE - 1).div(EXPANDED_PAGE_SIZE, rounding_mode="floor").sum())
+        rank, expanded_dim, width = self.kv_lora_rank, self.nope_dim + self.v_head_dim, self._expanded_width()
         element = torch.finfo(self.kv_b_proj.weight.dtype).bits // 8
-        if pages * EXPANDED_PAGE_SIZE * self.num_heads * 2 * width * element > EXPANDED_MAX_BYTES:
+        if int(pages.sum()) * EXPANDED_PAGE_SIZE * self.num_heads * 2 * width * element > EXPANDED_MAX_BYTES:
             return "absorbed"
-        absorbed = (2 * rank + self.rope_dim) * selected + expanded_dim * rank * int(rows[-1])
-        expanded = expanded_dim * rank * held
+        absorbed = (2 * rank + self.rope_dim) * selected + expanded_dim * rank * int(rows.sum())
+        expanded = expanded_dim * rank * int(held[rows > 0].sum())
         if expanded >= absorbed:
             return "absorbed"
-        spread = selection_spread(indices, counts, rows, EXPANDED_ROWS_PER_TILE)
+        offsets = input_row_offsets.to(torch.int64).cpu()
+        spread = selection_spread(indices, counts, offsets, EXPANDED_ROWS_PER_TILE)
         return "expanded" if expanded + 2 * width * selected * spread < absorbed else "absorbed"
 
     def _expanded(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent_cache: PagedKVCacheCollection,
@@ -276,12 +287,9 @@ class MlaSparseAttention(nn.Module):
         the call gives per-head keys ``[k_nope, rope key]`` and values (zero-padded to one width), stored in
         a temporary paged cache of ``EXPANDED_PAGE_SIZE``-token pages; ``qsa_sparse_attention_paged`` with one
         query head per KV head attends over the selection. Returns ``[T, heads, v_head_dim]`` in q's dtype."""
-        host_offsets = offsets.to(torch.int64).cpu()
-        lengths = host_offsets.diff()
-        held = latent_cache.cache_lengths.to(torch.int64).cpu() + lengths
+        lengths, held, pages = _expanded_pages(offsets, latent_cache.cache_lengths)
         qk_dim = self.nope_dim + self.rope_dim
-        width, page_size = max(qk_dim, self.v_head_dim), EXPANDED_PAGE_SIZE
-        pages = (held + page_size - 1).div(page_size, rounding_mode="floor") * (lengths > 0)
+        width, page_size = self._expanded_width(), EXPANDED_PAGE_SIZE
         first_page = torch.cumsum(pages, 0) - pages
         blocks = q_nope.new_empty(int(pages.sum()), 2, 1, page_size, self.num_heads, width)
         table = torch.full((len(held), max(int(pages.max()), 1)), -1, dtype=torch.int32)
