@@ -140,6 +140,6 @@ def test_a_max_peer_that_fails_mid_row_leaves_the_row_timed_without_it(capsys):
         def time_calls(self, calls, warmup=0):
             raise RemotePeerError("peer exited (3)")
 
-    ours, peers = _time_with_peers(lambda: None, Dies(), copy=lambda: None)
+    ours, peers, _ = _time_with_peers(lambda: None, Dies(), copy=lambda: None)
     assert ours > 0 and set(peers) == {"1thread", "reference", "copy"}
     assert "no MAX column for this row: peer exited (3)" in capsys.readouterr().err

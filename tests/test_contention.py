@@ -224,3 +224,17 @@ def test_threads_check_times_ours_against_one_thread_only():
             + kpool.run(quick=True, check_threads=True) + mla.run(quick=True, check_threads=True))
     assert len(rows) == 5  # QSA: 1 compress, 1 attention; k-pool: compress, score; MLA: 1
     assert all(set(row.peers_ms) == {"1thread"} and row.time_ms > 0 for row in rows)
+
+
+def test_threads_check_reports_the_median_of_the_rounds_ratios(monkeypatch):
+    """On a busy machine each call is preempted or not: the medians can fall on different modes (here 0.5)
+    while the calls timed back to back in each round agree (their ratios' median: 1)."""
+    from sparsekv.bench import common
+
+    samples = {"ours": [1.0, 1.0, 2.0, 2.0, 2.0], "1thread": [1.0, 1.0, 1.0, 2.0, 2.0]}
+    monkeypatch.setattr(common, "time_rounds", lambda calls, rounds: {name: samples[name] for name in calls})
+    ours, peers, paired = common.threads_check(lambda: None)
+    assert (ours, peers, paired) == (2.0, {"1thread": 1.0}, {"1thread": 1.0})
+    row = common.BenchRow("op", "shape", "bf16", "cpu", ours, 1, peers, paired=paired)
+    assert row.ratio("1thread") == 0.5 and row.ratios()["1thread"] == 1.0
+    assert "median of the rounds' ratios" in common.format_table([row])

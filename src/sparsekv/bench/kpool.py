@@ -58,8 +58,8 @@ def _compress_row(batch: int, tokens: int, dtype: torch.dtype, rounds: int, chec
 
     shape = f"B={batch} T={tokens} D={HEAD_DIM} kpool={KPOOL}"
     if check_threads:
-        time_ms, peers = threads_check(ours)
-        return BenchRow("mla_kpool_compress", shape, DTYPE_NAMES[dtype], "cpu", time_ms, nbytes, peers)
+        time_ms, peers, paired = threads_check(ours)
+        return BenchRow("mla_kpool_compress", shape, DTYPE_NAMES[dtype], "cpu", time_ms, nbytes, peers, paired=paired)
     times = time_interleaved({
         "ours": ours,
         "1thread": one_thread(ours),
@@ -94,8 +94,8 @@ def _score_row(batch: int, tokens: int, dtype: torch.dtype, rounds: int, check_t
 
     shape = f"B={batch} decode t={tokens - 1} H={INDEX_HEADS} D={HEAD_DIM}"
     if check_threads:
-        time_ms, peers = threads_check(ours)
-        return BenchRow("mla_kpool_score", shape, DTYPE_NAMES[dtype], "cpu", time_ms, nbytes, peers)
+        time_ms, peers, paired = threads_check(ours)
+        return BenchRow("mla_kpool_score", shape, DTYPE_NAMES[dtype], "cpu", time_ms, nbytes, peers, paired=paired)
     times = time_interleaved({
         "ours": ours,
         "1thread": one_thread(ours),

@@ -87,10 +87,11 @@ def bench_decode(cached: int, heads: int, dtype: torch.dtype, check_threads: boo
     the ``1thread`` peer alone (:func:`.common.threads_check`)."""
     call, peers, nbytes, shape = _decode_case(cached, heads, dtype)
     if check_threads:
-        ours, times = threads_check(call)
-    else:
-        times = time_interleaved({"ours": call, "1thread": one_thread(call), **peers})
-        ours = times.pop("ours")
+        ours, times, paired = threads_check(call)
+        return BenchRow("mla_sparse_attention_paged", shape, DTYPE_NAMES[dtype], "cpu", ours, nbytes, times,
+                        paired=paired)
+    times = time_interleaved({"ours": call, "1thread": one_thread(call), **peers})
+    ours = times.pop("ours")
     return BenchRow("mla_sparse_attention_paged", shape, DTYPE_NAMES[dtype], "cpu", ours, nbytes, times)
 
 

@@ -57,7 +57,7 @@ MAX_PEER_SCRIPT = SOURCE_ROOT.parent / "benchmarks" / "max_peer.py"  # present i
 
 
 def _time_with_peers(call, max_peer: RemotePeer | None = None, *, check_threads: bool = False,
-                     **peers) -> tuple[float, dict[str, float]]:
+                     **peers) -> tuple[float, dict[str, float], dict[str, float]]:
     """Our time and each peer's, interleaved (:func:`.common.time_interleaved`); the ``reference`` peer
     is ``call`` itself under ``SPARSEKV_BACKEND=reference``, the ``1thread`` peer ``call`` on one thread,
     the ``max`` peer ``max_peer`` when given (if it fails, the reason goes to stderr and the row is timed
@@ -76,9 +76,9 @@ def _time_with_peers(call, max_peer: RemotePeer | None = None, *, check_threads:
         except RemotePeerError as exc:
             print(f"bench_qsa: no MAX column for this row: {exc}", file=sys.stderr)
         else:
-            return times.pop("ours"), times
+            return times.pop("ours"), times, {}
     times = time_interleaved(calls)
-    return times.pop("ours"), times
+    return times.pop("ours"), times, {}
 
 
 @contextlib.contextmanager
@@ -135,9 +135,9 @@ def bench_compress(batch: int, keys: int, dtype: torch.dtype, max_python: str | 
     nbytes = (complete * RATIO * HEAD_DIM * size + out.numel() * size
               + complete * ROTARY_DIM * freqs.element_size() + HEAD_DIM * size)
     with max_peer(max_python, "compress", batch, keys, dtype, threads) as peer:
-        ours, peers = _time_with_peers(call, peer, check_threads=check_threads, copy=copy_peer(nbytes))
+        ours, peers, paired = _time_with_peers(call, peer, check_threads=check_threads, copy=copy_peer(nbytes))
     return BenchRow("qsa_compress_keys_paged", f"B={batch} keys={keys}-b D=128 R=4 rot=64 page=128",
-                    DTYPE_NAMES[dtype], "cpu", ours, nbytes, peers, _max_note(peer, peers))
+                    DTYPE_NAMES[dtype], "cpu", ours, nbytes, peers, _max_note(peer, peers), paired)
 
 
 def bench_block_score(batch: int, keys: int, rows_per_seq: int, dtype: torch.dtype,
@@ -161,11 +161,11 @@ def bench_block_score(batch: int, keys: int, rows_per_seq: int, dtype: torch.dty
     if rows_per_seq != ROWS_PER_SEQUENCE:  # max_peer.py runs the decode shape only
         max_python = None
     with max_peer(max_python, "block_score", batch, keys, dtype, threads) as peer:
-        ours, peers = _time_with_peers(call, peer, check_threads=check_threads, copy=copy_peer(nbytes),
-                                       read=read_peer(nbytes), peak=peak)
+        ours, peers, paired = _time_with_peers(call, peer, check_threads=check_threads, copy=copy_peer(nbytes),
+                                               read=read_peer(nbytes), peak=peak)
     kind = "decode" if rows_per_seq <= ROWS_PER_SEQUENCE else "prefill chunk"
     return BenchRow("qsa_block_score", f"{kind}: B={batch} rows={rows_per_seq}/seq heads=4 blocks={max_blocks}",
-                    DTYPE_NAMES[dtype], "cpu", ours, nbytes, peers, _max_note(peer, peers))
+                    DTYPE_NAMES[dtype], "cpu", ours, nbytes, peers, _max_note(peer, peers), paired)
 
 
 def bench_select(batch: int, keys: int, check_threads: bool = False) -> BenchRow:
@@ -179,9 +179,9 @@ def bench_select(batch: int, keys: int, check_threads: bool = False) -> BenchRow
         qsa_select_tokens(scores, positions, offsets, ratio=RATIO, budget=BUDGET)
 
     nbytes = scores.numel() * 4 + rows * (BUDGET + RATIO - 1) * 4
-    ours, peers = _time_with_peers(call, check_threads=check_threads, copy=copy_peer(nbytes))
+    ours, peers, paired = _time_with_peers(call, check_threads=check_threads, copy=copy_peer(nbytes))
     return BenchRow("qsa_select_tokens", f"rows={rows} blocks={keys // RATIO} budget={BUDGET}", "fp32", "cpu",
-                    ours, nbytes, peers)
+                    ours, nbytes, peers, paired=paired)
 
 
 def bench_sparse_attention(batch: int, cached: int, dtype: torch.dtype, check_threads: bool = False) -> BenchRow:
@@ -221,9 +221,10 @@ def bench_sparse_attention(batch: int, cached: int, dtype: torch.dtype, check_th
                           else {torch.float32: 2 * products})
     shape = f"decode B={batch} cached={cached} budget={BUDGET} q24/kv2 D=256"
     if check_threads:
-        ours, peers = threads_check(call)
-        return BenchRow("qsa_sparse_attention_paged", shape, DTYPE_NAMES[dtype], "cpu", ours, nbytes, peers)
-    ours, peers = _time_with_peers(call, **dense_peers, copy=copy_peer(nbytes), read=read_peer(nbytes), peak=peak)
+        ours, peers, paired = threads_check(call)
+        return BenchRow("qsa_sparse_attention_paged", shape, DTYPE_NAMES[dtype], "cpu", ours, nbytes, peers,
+                        paired=paired)
+    ours, peers, _ = _time_with_peers(call, **dense_peers, copy=copy_peer(nbytes), read=read_peer(nbytes), peak=peak)
     slower = max(dense_peers, key=peers.__getitem__)  # compare against the dense peer's faster layout only
     note = f"dense peer layouts: {', '.join(f'{name} {peers[name]:.3f} ms' for name in dense_peers)}"
     del peers[slower]
