@@ -52,12 +52,12 @@ from numba.extending import overload
 
 from ..reference.kpool import score_page_error
 from ._bits import as_numba, narrow, widen
-from ._score_tasks import keys_seen, plan_score_tasks, relu_sums, score_task
+from ._score_tasks import keys_seen, plan_score_tasks, relu_sums, score_task, task_in_order
 from ._tile_ir import KEYS_PER_TILE, VECTOR
 from ._tile_ops import KEYS_PER_TASK, dots_of_rows, new_scratch, transpose_dots
 from ._math import exp_f32
 from ._pages import first_missing_page
-from ._parallel import balanced_order, numba_threads, threads_for
+from ._parallel import numba_threads, threads_for
 
 _MODE_SOFTMAX, _MODE_MEAN = 0, 1
 _POOLS_PER_TASK = 64  # pools per prange task: enough work to amortise scheduling, small scratch
@@ -292,7 +292,7 @@ def _score_kernel(scores, q, head_weights, cache, page_stride, base, per_page, t
     num_keys, task_starts, group_starts, q_t, group_rows = plan_score_tasks(scores, q, offsets, visible)
     group_lanes = q_t.shape[2]
     for task in numba.prange(task_starts[batch]):
-        in_order = balanced_order(task, task_starts[batch])
+        in_order = task_in_order(task, task_starts, group_starts)
         b, first_row, end_row, p0, chunk = score_task(in_order, task_starts, num_keys, offsets)
         scratch = new_scratch(cache, dim)
         dots = np.empty((KEYS_PER_TASK + KEYS_PER_TILE, group_lanes), np.float32)
@@ -316,7 +316,8 @@ def _score_kernel(scores, q, head_weights, cache, page_stride, base, per_page, t
             transpose_dots(dots, lane_dots, needed, lanes)  # each lane's pools contiguous: vectorised below
             for r in range(r0, r1):
                 seen = max(0, min(chunk, visible[r] - p0))
-                relu_sums(scores[r, p0 : p0 + seen], lane_dots, (r - r0) * heads, heads, head_weights[r])
+                relu_sums(scores[r, p0 : p0 + seen], lane_dots, (r - r0) * heads, heads, head_weights[r],
+                          np.float32(1.0))
 
 
 def mla_kpool_score(scores, q, head_weights, pooled_blocks, lookup_table, query_positions, input_row_offsets,

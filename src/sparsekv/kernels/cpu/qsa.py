@@ -65,12 +65,12 @@ from numba import prange
 from ..._checks import check_freqs_cis_rows
 from ...cache.layout import page_error
 from ._bits import as_numba, narrow, widen
-from ._score_tasks import keys_seen, plan_score_tasks, relu_sums, score_task
+from ._score_tasks import keys_seen, plan_score_tasks, relu_sums, score_task, task_in_order
 from ._tile_ir import KEYS_PER_TILE, SQUARE_SUM_ROWS, VECTOR
 from ._tile_ops import KEYS_PER_TASK, dots_of_rows, new_scratch, square_sums_in_order, transpose_dots
 from ._pages import first_missing_page
 from ._paged_rows import flat_plane
-from ._parallel import PARALLEL_JIT, balanced_order, threads_for
+from ._parallel import PARALLEL_JIT, threads_for
 from ._sparse_attend import sparse_attention
 
 _ROWS_PER_TASK = 64  # block-key rows per compress task (groups of SQUARE_SUM_ROWS: their RMSNorm sums run at once)
@@ -212,8 +212,9 @@ def _block_score_kernel(scores, q, keys, offsets, positions, ratio, max_blocks, 
     num_keys, task_starts, group_starts, q_t, group_rows = plan_score_tasks(scores, q, offsets, visible)
     group_lanes = q_t.shape[2]
     unit_weights = np.ones(heads, np.float32)  # the block score sums relu(dot) unweighted
+    divisor = np.float32(scale)
     for task in prange(task_starts[batch]):
-        in_order = balanced_order(task, task_starts[batch])
+        in_order = task_in_order(task, task_starts, group_starts)
         b, first_row, end_row, g0, chunk = score_task(in_order, task_starts, num_keys, offsets)
         rows = keys[b * max_blocks + g0 : b * max_blocks + g0 + chunk]
         scratch = new_scratch(keys, dim)
@@ -231,9 +232,7 @@ def _block_score_kernel(scores, q, keys, offsets, positions, ratio, max_blocks, 
             transpose_dots(dots, lane_dots, needed, lanes)
             for r in range(r0, r1):
                 totals = scores[r, g0 : g0 + max(0, min(chunk, visible[r] - g0))]
-                relu_sums(totals, lane_dots, (r - r0) * heads, heads, unit_weights)
-                for i in range(totals.shape[0]):
-                    totals[i] = totals[i] / np.float32(scale)
+                relu_sums(totals, lane_dots, (r - r0) * heads, heads, unit_weights, divisor)
 
 
 def qsa_block_score(scores, q, block_keys, query_positions, input_row_offsets, ratio, score_scale):
