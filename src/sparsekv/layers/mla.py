@@ -110,6 +110,18 @@ def _expanded_pages(input_row_offsets: torch.Tensor,
     return rows, held, pages
 
 
+def _put_rows(pages: torch.Tensor, rows: torch.Tensor, channel0: int) -> None:
+    """Write ``rows [n, heads, c]`` into the first ``n`` token rows of ``pages [count, page_size, heads,
+    width]`` (a strided view of a paged cache), channels ``channel0 .. channel0 + c``: the whole pages in
+    one copy, then the rows of the last one."""
+    page_size, n, width = pages.shape[1], rows.shape[0], rows.shape[2]
+    whole = n // page_size
+    if whole:
+        pages[:whole, ..., channel0:channel0 + width] = rows[:whole * page_size].unflatten(0, (whole, page_size))
+    if n > whole * page_size:
+        pages[whole, :n - whole * page_size, :, channel0:channel0 + width] = rows[whole * page_size:]
+
+
 class MlaResult(NamedTuple):
     """One layer call."""
 
@@ -300,13 +312,16 @@ class MlaSparseAttention(nn.Module):
             table[b, :count] = torch.arange(first, first + count, dtype=torch.int32)
             history = rows.load(b, torch.arange(n, device=q_nope.device))[:, 0].float()  # [n, rank + rope]
             kv = (history[:, :self.kv_lora_rank] @ kv_b.T).reshape(n, self.num_heads, -1)
-            keys = blocks.new_zeros(count * page_size, self.num_heads, width)
-            values = blocks.new_zeros(count * page_size, self.num_heads, width)
-            keys[:n, :, :self.nope_dim] = kv[..., :self.nope_dim]
-            keys[:n, :, self.nope_dim:qk_dim] = history[:, None, self.kv_lora_rank:]
-            values[:n, :, :self.v_head_dim] = kv[..., self.nope_dim:]
-            blocks[first:first + count, 0, 0] = keys.view(count, page_size, self.num_heads, width)
-            blocks[first:first + count, 1, 0] = values.view(count, page_size, self.num_heads, width)
+            pages_of_b = blocks[first:first + count, :, 0]  # [count, 2, page_size, heads, width]
+            keys, values = pages_of_b[:, 0], pages_of_b[:, 1]
+            _put_rows(keys, kv[..., :self.nope_dim], 0)
+            _put_rows(keys, history[:, None, self.kv_lora_rank:].expand(n, self.num_heads, self.rope_dim),
+                      self.nope_dim)
+            _put_rows(values, kv[..., self.nope_dim:], 0)
+            keys[..., qk_dim:] = 0  # channels past a key's or value's width meet zero query channels or
+            values[..., self.v_head_dim:] = 0  # are cut off the output: zeros keep them from being NaN
+            tail = n - (count - 1) * page_size  # rows of the last page in use
+            pages_of_b[-1, :, tail:] = 0
         expanded = PagedKVCacheCollection(blocks, latent_cache.cache_lengths, table.to(blocks.device),
                                           max_seq_length=int(lengths.max()),
                                           max_cache_length=latent_cache.max_cache_length)
