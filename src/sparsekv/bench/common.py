@@ -288,6 +288,26 @@ def read_peer(nbytes: int, device: torch.device | str = "cpu") -> Callable[[], o
     return lambda: torch.sum(src, dim=0, out=out)
 
 
+def gather_peer(blocks: torch.Tensor, lookup_table: torch.Tensor, indices: torch.Tensor,
+                counts: torch.Tensor) -> Callable[[], object]:
+    """A same-run ``read`` peer for sparse attention: the selected tokens' key and value rows of every KV head
+    copied out of the paged ``blocks [pages, 2, 1, page_size, kv_heads, D]`` with ``index_select`` (torch's
+    threads), for one query row per sequence (``indices [B, W]``, ``counts [B]``): the op's bytes read where
+    they lie, scattered rows of one head's ``D`` elements, which a contiguous read does not model."""
+    pages, planes, _, page_size, kv_heads, dim = blocks.shape
+    flat = blocks.reshape(-1, dim)
+    starts = []
+    for b in range(indices.shape[0]):
+        tokens = indices[b, : int(counts[b])].long()
+        row0 = (lookup_table[b, tokens // page_size].long() * planes * page_size + tokens % page_size) * kv_heads
+        for plane in range(planes):
+            for head in range(kv_heads):
+                starts.append(row0 + plane * page_size * kv_heads + head)
+    rows = torch.cat(starts)
+    out = flat.new_empty(rows.numel(), dim)
+    return lambda: torch.index_select(flat, 0, rows, out=out)
+
+
 def format_table(rows: list[BenchRow], load: LoadReport | None = None) -> str:
     """A fixed-width table: op, shape, dtype, backend, time, GB/s, then one ratio per peer; the load it ran
     under, when given, on the last line."""
@@ -311,8 +331,9 @@ def format_table(rows: list[BenchRow], load: LoadReport | None = None) -> str:
                       + ("; in a threads check, the median of the rounds' ratios (each round times both back to "
                          "back)" if any(r.paired for r in rows) else ""))
     if "roof" in peers:
-        legend.append("xroof = max(read, peak) time / our time: the fraction of the roofline (the bytes read at the "
-                      "machine's read bandwidth, the multiply-adds at the tile's peak) reached")
+        legend.append("xroof = max(read, peak) time / our time: the fraction of the roofline (the op's bytes read once "
+                      "at the machine's read bandwidth, or for sparse attention gathered where they lie; the "
+                      "multiply-adds at the tile's peak) reached")
     if load is not None:
         legend.append(load.describe())
     return "\n".join(lines + legend)

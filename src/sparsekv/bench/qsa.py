@@ -15,7 +15,9 @@ each KV head's query heads as the rows of one attention; ``sdpa(gqa)``:
 path; the row's note gives both times), for block score and sparse attention
 the same multiply-adds at the register tile's peak (``peak``, :mod:`.peak`;
 its column is the fraction of the peak reached) and a read of the op's bytes
-(``read``: with ``peak``, the ``xroof`` column of
+(``read``: a streamed sum for block score, the selected key and value rows
+gathered where they lie for sparse attention, :func:`.common.gather_peer`;
+with ``peak``, the ``xroof`` column of
 :meth:`.common.BenchRow.ratios`) and, when a Python with
 Modular MAX is given, MAX's own CPU kernel (``max``) on the compress and
 decode block-score rows.
@@ -45,7 +47,7 @@ from ..cache.layout import PagedKVCacheCollection
 from ..numerics import rope_freqs_cis
 from ..ops.qsa import qsa_block_score, qsa_compress_keys_paged, qsa_select_tokens, qsa_sparse_attention_paged
 from .common import (DTYPE_NAMES, PAGE_SIZE, BenchRow, backend, copy_peer, one_thread, random_paged_blocks,
-                     read_peer, threads_check, time_interleaved)
+                     gather_peer, read_peer, threads_check, time_interleaved)
 from .peak import tile_peak_peer
 from .remote import RemotePeer, RemotePeerError, python_env
 
@@ -224,7 +226,8 @@ def bench_sparse_attention(batch: int, cached: int, dtype: torch.dtype, check_th
         ours, peers, paired = threads_check(call)
         return BenchRow("qsa_sparse_attention_paged", shape, DTYPE_NAMES[dtype], "cpu", ours, nbytes, peers,
                         paired=paired)
-    ours, peers, _ = _time_with_peers(call, **dense_peers, copy=copy_peer(nbytes), read=read_peer(nbytes), peak=peak)
+    ours, peers, _ = _time_with_peers(call, **dense_peers, copy=copy_peer(nbytes),
+                                      read=gather_peer(blocks, table, indices, counts), peak=peak)
     slower = max(dense_peers, key=peers.__getitem__)  # compare against the dense peer's faster layout only
     note = f"dense peer layouts: {', '.join(f'{name} {peers[name]:.3f} ms' for name in dense_peers)}"
     del peers[slower]
