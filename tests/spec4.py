@@ -23,6 +23,8 @@ so the one-ulp rule cannot hold there between two valid summation orders
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -94,3 +96,20 @@ def assert_spec_close(actual: torch.Tensor, expected: torch.Tensor, *, what: str
     ok, detail = spec_close(actual, expected, scale_atol=scale_atol, nan_ok=nan_ok, noise_floor=noise_floor,
                             atol=atol)
     assert ok, f"{what}: {detail}"
+
+
+def assert_lse_close(actual: torch.Tensor, expected: torch.Tensor, counts: torch.Tensor, *, what: str = "lse",
+                     **spec: object) -> None:
+    """:func:`assert_spec_close` (``spec``: its other options) for an attention's log-sum-exp ``[rows, heads]``
+    whose rows counted at most ``max(counts)`` keys, with ``atol`` the float32 rounding its terms carry.
+
+    ``lse = m + log(d)``: ``m`` the row's largest scaled logit, ``d = sum exp(l - m)`` in ``[1, n]`` for
+    ``n`` counted keys. Both terms are at most ``|lse| + log(n)`` in size and ``d``'s float32 sum is
+    within ``n`` roundings of itself, so two valid evaluations differ by up to about ``2**-23 * (|lse| +
+    2 log(n) + n)``: an lse that cancels to near 0 (``m`` near ``-log d``) is then many of its own ulps
+    off, not within ``1e-5`` of itself (seed 137336528: ``-0.0171``, 2.4e-7 apart; docs/spec-notes.md).
+    """
+    finite = torch.isfinite(expected)
+    keys = float(counts.clamp(min=1).max()) if counts.numel() else 1.0
+    largest = float(expected[finite].abs().max()) if bool(finite.any()) else 0.0
+    assert_spec_close(actual, expected, what=what, atol=2.0**-23 * (largest + 2 * math.log(keys) + keys), **spec)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from spec4 import assert_spec_close
+from spec4 import assert_lse_close, assert_spec_close
 
 
 def _nudge(x: torch.Tensor, index: int, ulps: int) -> torch.Tensor:
@@ -52,3 +52,15 @@ def test_atol_lets_a_16_bit_element_within_it_count_as_one_ulp():
     assert_spec_close(off, expected, atol=1e-7)
     with pytest.raises(AssertionError, match="ulps apart"):
         assert_spec_close(off, expected, atol=1e-8)
+
+
+def test_an_lse_that_cancels_near_zero_gets_its_terms_rounding_and_no_more():
+    """Seed 137336528's row: lse -0.0171 (its row max and log-sum cancel), 2.4e-7 apart from the reference,
+    outside 1e-5 of itself; a row 1e-4 off (a key's weight lost) still fails."""
+    expected = torch.tensor([[float("-inf"), -0.0171]])
+    counts = torch.tensor([0, 37])
+    with pytest.raises(AssertionError, match="max error"):
+        assert_spec_close(expected + torch.tensor([[0.0, 2.4e-7]]), expected)
+    assert_lse_close(expected + torch.tensor([[0.0, 2.4e-7]]), expected, counts)
+    with pytest.raises(AssertionError, match="max error"):
+        assert_lse_close(expected + torch.tensor([[0.0, 1e-4]]), expected, counts)
