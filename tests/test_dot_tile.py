@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from sparsekv.kernels.cpu._bits import as_numba
+from sparsekv.kernels.cpu._score_tasks import relu_sums, task_in_order
 from sparsekv.kernels.cpu._tile_ir import (KEYS_PER_TILE, SQUARE_SUM_ROWS, VECTOR, WEIGHTED_CHANNELS, WEIGHTED_HEADS,
                                           _check_llvmlite_for_bfloat, _target_has_bf16_dot)
 from sparsekv.kernels.cpu._tile_ops import (KEYS_PER_TASK, dots_of_gathered_rows, dots_of_rows, gather_rows,
@@ -217,6 +218,41 @@ def test_transpose_dots_moves_every_rounded_key_and_nothing_else(keys, lanes):
     transpose_dots(dots, dots_t, keys, lanes)
     assert np.array_equal(dots_t[:lanes, :rounded], dots[:rounded, :lanes].T)
     assert np.isnan(dots_t[lanes:]).all() and np.isnan(dots_t[:, rounded:]).all()
+
+
+@numba.njit(cache=False)
+def _relu_sums_of(totals, lane_dots, lane0, heads, weights, divisor):
+    relu_sums(totals, lane_dots, lane0, heads, weights, divisor)
+
+
+@pytest.mark.parametrize("heads", [1, 2, 4, 5])
+@pytest.mark.parametrize("divisor", [1.0, 11.3])
+def test_relu_sums_are_the_in_order_chain_then_one_division(heads, divisor):
+    """Each total is ``((0 + w_0 relu(x_0)) + ...) / divisor`` in float32, bit for bit (NaN kept, negative
+    weights and -0 products included), whichever pass writes, adds or divides."""
+    rng = np.random.default_rng(heads)
+    keys, lane0 = 37, 3
+    lane_dots = (rng.standard_normal((lane0 + heads, keys)) * np.exp(rng.uniform(-8, 8, (lane0 + heads, keys))))
+    lane_dots = lane_dots.astype(np.float32)
+    lane_dots[lane0, 0], lane_dots[lane0 + heads - 1, 1] = np.nan, -0.0
+    weights = rng.standard_normal(heads).astype(np.float32)
+    totals = np.full(keys, np.nan, np.float32)
+    _relu_sums_of(totals, lane_dots, lane0, heads, weights, np.float32(divisor))
+    want = np.empty(keys, np.float32)
+    for i in range(keys):
+        acc = np.float32(0.0)
+        for h in range(heads):
+            x = lane_dots[lane0 + h, i]
+            acc = np.float32(acc + np.float32(weights[h] * (x if not x <= 0 else np.float32(0.0))))
+        want[i] = acc / np.float32(divisor)
+    assert np.array_equal(totals.view(np.uint32), want.view(np.uint32))
+
+
+def test_score_tasks_run_in_key_order_unless_a_sequence_has_several_row_groups():
+    task_starts = np.array([0, 3, 7], np.int64)
+    decode, prefill = np.array([0, 1, 2], np.int64), np.array([0, 2, 3], np.int64)
+    assert [task_in_order(t, task_starts, decode) for t in range(7)] == list(range(7))
+    assert [task_in_order(t, task_starts, prefill) for t in range(7)] == [0, 6, 1, 5, 2, 4, 3]
 
 
 @pytest.mark.parametrize("dim", [1, 15, 16, 64, 100, 128, 200])
