@@ -278,7 +278,8 @@ class MlaSparseAttention(nn.Module):
         measured on a few such groups (:func:`selection_spread`); 1 for a causal prefill under the top-k,
         larger where neighbouring rows pick different keys.
         """
-        rows, held, pages = _expanded_pages(input_row_offsets, cache_lengths)
+        offsets = input_row_offsets.to(torch.int64).cpu()
+        rows, held, pages = _expanded_pages(offsets, cache_lengths)
         selected = int(counts.clamp(min=0).sum())
         rank, expanded_dim, width = self.kv_lora_rank, self.nope_dim + self.v_head_dim, self._expanded_width()
         element = torch.finfo(self.kv_b_proj.weight.dtype).bits // 8
@@ -288,7 +289,6 @@ class MlaSparseAttention(nn.Module):
         expanded = expanded_dim * rank * int(held[rows > 0].sum())
         if expanded >= absorbed:
             return "absorbed"
-        offsets = input_row_offsets.to(torch.int64).cpu()
         spread = selection_spread(indices, counts, offsets, EXPANDED_ROWS_PER_TILE)
         return "expanded" if expanded + 2 * width * selected * spread < absorbed else "absorbed"
 
