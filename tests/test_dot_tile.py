@@ -220,11 +220,6 @@ def test_transpose_dots_moves_every_rounded_key_and_nothing_else(keys, lanes):
     assert np.isnan(dots_t[lanes:]).all() and np.isnan(dots_t[:, rounded:]).all()
 
 
-@numba.njit(cache=False)
-def _relu_sums_of(totals, lane_dots, lane0, heads, weights, divisor):
-    relu_sums(totals, lane_dots, lane0, heads, weights, divisor)
-
-
 @pytest.mark.parametrize("heads", [1, 2, 4, 5])
 @pytest.mark.parametrize("divisor", [1.0, 11.3])
 def test_relu_sums_are_the_in_order_chain_then_one_division(heads, divisor):
@@ -237,7 +232,7 @@ def test_relu_sums_are_the_in_order_chain_then_one_division(heads, divisor):
     lane_dots[lane0, 0], lane_dots[lane0 + heads - 1, 1] = np.nan, -0.0
     weights = rng.standard_normal(heads).astype(np.float32)
     totals = np.full(keys, np.nan, np.float32)
-    _relu_sums_of(totals, lane_dots, lane0, heads, weights, np.float32(divisor))
+    relu_sums(totals, lane_dots, lane0, heads, weights, np.float32(divisor))
     want = np.empty(keys, np.float32)
     for i in range(keys):
         acc = np.float32(0.0)

@@ -294,7 +294,7 @@ def gather_peer(blocks: torch.Tensor, lookup_table: torch.Tensor, indices: torch
     copied out of the paged ``blocks [pages, 2, 1, page_size, kv_heads, D]`` with ``index_select`` (torch's
     threads), for one query row per sequence (``indices [B, W]``, ``counts [B]``): the op's bytes read where
     they lie, scattered rows of one head's ``D`` elements, which a contiguous read does not model."""
-    pages, planes, _, page_size, kv_heads, dim = blocks.shape
+    _, planes, _, page_size, kv_heads, dim = blocks.shape
     flat = blocks.reshape(-1, dim)
     starts = []
     for b in range(indices.shape[0]):
