@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from sparsekv.kernels.cpu._bits import as_numba
-from sparsekv.kernels.cpu._score_tasks import relu_sums, task_in_order
+from sparsekv.kernels.cpu._score_tasks import relu_sums, task_in_order, write_group_scores
 from sparsekv.kernels.cpu._tile_ir import (KEYS_PER_TILE, SQUARE_SUM_ROWS, VECTOR, WEIGHTED_CHANNELS, WEIGHTED_HEADS,
                                           _check_llvmlite_for_bfloat, _target_has_bf16_dot)
 from sparsekv.kernels.cpu._tile_ops import (KEYS_PER_TASK, dots_of_gathered_rows, dots_of_rows, gather_rows,
@@ -241,6 +241,46 @@ def test_relu_sums_are_the_in_order_chain_then_one_division(heads, divisor):
             acc = np.float32(acc + np.float32(weights[h] * (x if not x <= 0 else np.float32(0.0))))
         want[i] = acc / np.float32(divisor)
     assert np.array_equal(totals.view(np.uint32), want.view(np.uint32))
+
+
+def _relu_sum_chain(dots, weights, divisor):
+    """``((0 + w_0 relu(x_0)) + ...) / divisor`` in float32, one rounding per step, for ``dots [heads]``."""
+    acc = np.float32(0.0)
+    for h, x in enumerate(dots):
+        acc = np.float32(acc + np.float32(weights[h] * (x if not x <= 0 else np.float32(0.0))))
+    return np.float32(acc / np.float32(divisor))
+
+
+@pytest.mark.parametrize("heads", [1, 2, 3, 4, 8, 16])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_group_scores_are_the_relu_sum_chain_in_registers_or_not(heads, weighted):
+    """A row group's scores, for head counts summed on the tiles in registers (1, 2, 4, 8, 16) and one
+    that is transposed first (3), unit or random weights: every seen key's total equals the in-order
+    chain bit for bit (NaN, -0 and negative weights included), and nothing else of ``scores`` changes."""
+    rng = np.random.default_rng(10 * heads + weighted)
+    rows, key0, chunk, divisor = max(1, 32 // heads) - 1, 24, 45, np.float32(11.3)  # a padding row when possible
+    lanes = -(-rows * heads // VECTOR) * VECTOR
+    rounded = -(-chunk // KEYS_PER_TILE) * KEYS_PER_TILE
+    dots = rng.standard_normal((rounded, lanes)) * np.exp(rng.uniform(-8, 8, (rounded, lanes)))
+    dots = dots.astype(np.float32)
+    dots[0, 0], dots[3, heads - 1], dots[5, :] = np.nan, -0.0, -0.0
+    r0 = 2
+    visible = np.full(r0 + rows, key0 + chunk, np.int64)
+    visible[r0] = key0 + 7  # sees 7 of the chunk's keys
+    visible[r0 + rows - 1] = key0 - 1  # sees none of them
+    weights = rng.standard_normal((lanes // heads + 1, heads)).astype(np.float32) if weighted else None
+    scores = rng.standard_normal((r0 + rows + 1, key0 + chunk + 5)).astype(np.float32)
+    before = scores.copy()
+    work = np.empty((lanes, rounded), np.float32)
+    write_group_scores(scores, dots, work, r0, r0 + rows, key0, chunk, visible, lanes, heads, weights, divisor)
+    want = before.copy()
+    unit = np.ones(heads, np.float32)
+    for r in range(r0, r0 + rows):
+        for i in range(max(0, min(chunk, visible[r] - key0))):
+            lane = (r - r0) * heads
+            want[r, key0 + i] = _relu_sum_chain(dots[i, lane : lane + heads],
+                                                unit if weights is None else weights[r - r0], divisor)
+    assert np.array_equal(scores.view(np.uint32), want.view(np.uint32))
 
 
 def test_score_tasks_run_in_key_order_unless_a_sequence_has_several_row_groups():

@@ -4,8 +4,9 @@
 into tasks and transposed query groups; :func:`task_in_order` the order the
 threads take them in; :func:`score_task` says which rows and
 keys one task covers, :func:`keys_seen` how many of them a row group needs;
-:func:`relu_sums` is the weighted ReLU sum over heads that both score
-epilogues end with.
+:func:`write_group_scores` is the epilogue both score kernels end with, the
+weighted ReLU sum over heads: in registers on the tiles where a row's heads
+divide the tile's 16 lanes, else :func:`relu_sums` over the transposed dots.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ import numba
 import numpy as np
 
 from ._parallel import balanced_order
-from ._tile_ir import VECTOR
-from ._tile_ops import KEYS_PER_TASK, new_query_tiles, put_query
+from numba.extending import overload
+
+from ._tile_ir import KEYS_PER_TILE, VECTOR, relu_head_sums_block
+from ._tile_ops import KEYS_PER_TASK, new_query_tiles, put_query, transpose_dots
 
 LANES_PER_GROUP = 32
 """(row, head) pairs whose dot products run together over a task's keys."""
@@ -126,3 +129,64 @@ def relu_sums(totals, lane_dots, lane0, heads, weights, divisor):
             for i in range(seen):
                 x = key_dots[i]
                 totals[i] += weight * (x if not x <= np.float32(0.0) else np.float32(0.0))
+
+
+def _row_weights(weights, i, unit):
+    """Row ``i`` of ``weights``, or ``unit`` where ``weights`` is ``None`` (numba only)."""
+    raise NotImplementedError
+
+
+@overload(_row_weights, inline="always")
+def _row_weights_overload(weights, i, unit):
+    if isinstance(weights, (numba.types.NoneType, numba.types.Omitted)):
+        return lambda weights, i, unit: unit
+    return lambda weights, i, unit: weights[i]
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _head_sums_in_registers(row_totals, dots, num_keys, lanes, heads, weights, divisor):
+    """:func:`._tile_ir.relu_head_sums_block` over every tile of ``dots [keys, lanes]``, for a head count
+    that divides the tile's 16 lanes (a literal per branch); returns ``False``, having written nothing,
+    for any other."""
+    if VECTOR % heads != 0:
+        return False
+    for key0 in range(0, num_keys, KEYS_PER_TILE):
+        for lane0 in range(0, lanes, VECTOR):
+            if heads == 4:
+                relu_head_sums_block(dots, row_totals, key0, lane0, 4, weights, divisor)
+            elif heads == 1:
+                relu_head_sums_block(dots, row_totals, key0, lane0, 1, weights, divisor)
+            elif heads == 2:
+                relu_head_sums_block(dots, row_totals, key0, lane0, 2, weights, divisor)
+            elif heads == 8:
+                relu_head_sums_block(dots, row_totals, key0, lane0, 8, weights, divisor)
+            else:
+                relu_head_sums_block(dots, row_totals, key0, lane0, 16, weights, divisor)
+    return True
+
+
+@numba.njit(cache=True, nogil=True)
+def write_group_scores(scores, dots, work, r0, r1, key0, chunk, visible, lanes, heads, weights, divisor):
+    """``scores[r, key0 + i] = (sum_h w_rh * relu(dots[i, (r - r0) * heads + h])) / divisor`` for rows ``r0 ..
+    r1 - 1`` and the ``i < min(chunk, visible[r] - key0)`` keys each row sees: the epilogue of both score
+    kernels, :func:`relu_sums`' bits.
+
+    ``dots [>= keys rounded up to 8, >= lanes]`` one row group's dot products (lane ``(r - r0) * heads +
+    h``); ``work`` float32 ``[>= lanes, >= keys rounded up to 8]`` scratch; ``weights`` ``None`` (all 1) or
+    float32 ``[>= lanes // heads, heads]`` (row ``r - r0``; rows past ``r1 - r0`` are read when ``heads``
+    divides 16: keep them finite). Where ``heads`` divides 16 the sums run on the tiles in registers
+    (:func:`._tile_ir.relu_head_sums_block`) into ``work``'s rows and are copied out; else ``dots`` is
+    transposed into ``work`` and :func:`relu_sums` runs over each lane's keys.
+    """
+    needed = keys_seen(visible, r0, r1, key0, chunk)
+    if _head_sums_in_registers(work, dots, needed, lanes, heads, weights, divisor):
+        for r in range(r0, r1):
+            seen = max(0, min(chunk, visible[r] - key0))
+            scores[r, key0 : key0 + seen] = work[r - r0, :seen]
+        return
+    transpose_dots(dots, work, needed, lanes)
+    unit = np.ones(heads, np.float32)
+    for r in range(r0, r1):
+        seen = max(0, min(chunk, visible[r] - key0))
+        relu_sums(scores[r, key0 : key0 + seen], work, (r - r0) * heads, heads, _row_weights(weights, r - r0, unit),
+                  divisor)

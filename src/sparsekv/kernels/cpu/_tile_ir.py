@@ -31,7 +31,8 @@ low half).
 The other tiles: ``weighted_rows_tile_{12,8,4}`` (``acc[h] += sum_n p[n, h] *
 v[n]`` for 12, 8 or 4 heads x 32 channels, rows in order, one fused
 multiply-add each, bf16 values widened in registers), :func:`transpose_block`
-(an 8 x 16 shuffle network) and :func:`add_block_squares` (the same network
+(an 8 x 16 shuffle network), :func:`relu_head_sums_block` (a score tile's ReLU
+sum over heads, in registers) and :func:`add_block_squares` (the same network
 summing the squares of 16 rows at once, in channel order), and
 :func:`prefetch_element`. :mod:`._tile_ops` runs them over whole arrays.
 """
@@ -101,10 +102,10 @@ def _vector_at(builder, data, offset, kind):
 
 
 def _splat(builder, value, kind):
-    """A ``kind`` vector (``VECTOR`` lanes) with ``value`` in every lane."""
+    """A ``kind`` vector with ``value`` in every lane."""
     one = builder.insert_element(ir.Constant(kind, ir.Undefined), value, ir.Constant(ir.IntType(32), 0))
     return builder.shuffle_vector(one, ir.Constant(kind, ir.Undefined),
-                                  ir.Constant(ir.VectorType(ir.IntType(32), VECTOR), [0] * VECTOR))
+                                  ir.Constant(ir.VectorType(ir.IntType(32), kind.count), [0] * kind.count))
 
 
 PREFETCH_KEEP_EVERYWHERE = 3
@@ -408,6 +409,118 @@ def transpose_block(typingctx, dots, dots_t, key0, lane0):
         return context.get_dummy_value()
 
     return types.void(dots, dots_t, types.intp, types.intp), codegen
+
+
+def _segment_transpose(builder, vectors, heads):
+    """Transpose each ``heads``-lane segment of ``heads`` vectors: ``out[j][s*heads + k] = vectors[k][s*heads +
+    j]`` (segment ``s``). One butterfly stage per bit of ``heads``: the pairs of vectors that differ in that
+    bit of their index swap the segment elements that differ in it, two shuffles a pair (for 4 heads,
+    in-lane shuffles only: 8 for 4 vectors)."""
+    segments = VECTOR // heads
+    bit = 1
+    while bit < heads:
+        swapped = list(vectors)
+        for k in range(heads):
+            if k & bit:
+                continue
+            low, high = vectors[k], vectors[k | bit]  # shuffle operands: low's lanes 0..15, high's 16..31
+            keep_low = [s * heads + (j if not j & bit else VECTOR + (j ^ bit)) for s in range(segments)
+                        for j in range(heads)]
+            keep_high = [s * heads + (j | bit if not j & bit else VECTOR + j) for s in range(segments)
+                         for j in range(heads)]
+            lanes = ir.VectorType(ir.IntType(32), VECTOR)
+            swapped[k] = builder.shuffle_vector(low, high, ir.Constant(lanes, keep_low))
+            swapped[k | bit] = builder.shuffle_vector(low, high, ir.Constant(lanes, keep_high))
+        vectors = swapped
+        bit *= 2
+    return vectors
+
+
+def _relu(builder, x, zero):
+    """``x if not x <= 0 else 0`` per lane: NaN kept, -0 made +0 (as the reference's ``relu``)."""
+    return builder.select(builder.fcmp_ordered("<=", x, zero), zero, x)
+
+
+@intrinsic(prefer_literal=True)
+def relu_head_sums_block(typingctx, dots, totals, key0, lane0, heads, weights, divisor):
+    """The score epilogue of one tile, in registers, for a head count ``heads`` (a literal dividing 16):
+    ``totals[lane0 // heads + i, key0 + k] = (sum_h w_h * relu(dots[key0 + k, lane0 + i*heads + h])) /
+    divisor`` for ``k < 8``, ``i < 16 // heads``, each sum in head order ``h = 0 .. heads-1``: the same
+    operations in the same order as :func:`._score_tasks.relu_sums`, whose bits it reproduces.
+
+    ``weights`` ``None`` (every weight 1: neither the multiplies nor the leading ``0 +`` change a bit of
+    a ReLU's result, so neither is emitted) or float32 ``[rows, heads]`` C (row ``lane0 // heads + i``);
+    ``dots`` and ``totals`` float32 2-d C; ``divisor`` float32. The tile's 16 lanes hold whole rows
+    (``16 % heads == 0``), so no sum crosses from one tile to the next. Unweighted 2, 4 or 8 heads:
+    each group of ``heads`` keys is transposed within each row's lanes (:func:`_segment_transpose`), so
+    the sums run on whole 16-lane vectors (``16 // heads`` rows x ``heads`` keys) and each row's keys
+    are stored at once. Otherwise the 8 x 16 transpose (:func:`_block_columns`) makes each (row, head)
+    an 8-key vector. The caller keeps every index in bounds.
+    """
+    if not (isinstance(heads, types.IntegerLiteral) and 0 < heads.literal_value <= VECTOR
+            and VECTOR % heads.literal_value == 0):
+        return None
+    weighted = not isinstance(weights, (types.NoneType, types.Omitted))
+    if not (_is_c_matrix(dots, types.float32) and _is_c_matrix(totals, types.float32)
+            and (not weighted or _is_c_matrix(weights, types.float32)) and divisor == types.float32):
+        return None
+    row_heads = heads.literal_value
+
+    def codegen(context, builder, sig, args):
+        dots_arr, totals_arr = (context.make_array(t)(context, builder, a) for t, a in zip(sig.args[:2], args[:2]))
+        key0, lane0, divisor_value = args[2], args[3], args[6]
+        index = ir.IntType(64)
+        totals_cols = builder.extract_value(totals_arr.shape, 1)
+        dots_cols = builder.extract_value(dots_arr.shape, 1)
+        first_row = builder.sdiv(lane0, ir.Constant(index, row_heads))
+
+        def store(values, row, key):  # a vector of consecutive keys of one row of totals
+            start = builder.add(builder.mul(builder.add(first_row, ir.Constant(index, row)), totals_cols),
+                                builder.add(key0, ir.Constant(index, key)))
+            builder.store(values, _vector_at(builder, totals_arr.data, start, values.type), align=4)
+
+        if not weighted and row_heads in (2, 4, 8):
+            vector = ir.VectorType(ir.FloatType(), VECTOR)
+            zero = ir.Constant(vector, [0.0] * VECTOR)
+            spread_divisor = _splat(builder, divisor_value, vector)
+            keys = [builder.load(_vector_at(builder, dots_arr.data, builder.add(
+                builder.mul(builder.add(key0, ir.Constant(index, k)), dots_cols), lane0), vector), align=4)
+                for k in range(KEYS_PER_TILE)]
+            for group in range(0, KEYS_PER_TILE, row_heads):
+                by_head = _segment_transpose(builder, keys[group : group + row_heads], row_heads)
+                total = _relu(builder, by_head[0], zero)
+                for h in range(1, row_heads):
+                    total = builder.fadd(total, _relu(builder, by_head[h], zero))
+                total = builder.fdiv(total, spread_divisor)
+                for i in range(VECTOR // row_heads):
+                    row_keys = builder.shuffle_vector(total, ir.Constant(vector, ir.Undefined), ir.Constant(
+                        ir.VectorType(ir.IntType(32), row_heads), list(range(i * row_heads, (i + 1) * row_heads))))
+                    store(row_keys, i, group)
+            return context.get_dummy_value()
+
+        octet = ir.VectorType(ir.FloatType(), KEYS_PER_TILE)
+        zero = ir.Constant(octet, [0.0] * KEYS_PER_TILE)
+        spread_divisor = _splat(builder, divisor_value, octet)
+        if weighted:
+            weights_arr = context.make_array(sig.args[5])(context, builder, args[5])
+            weight_cols = builder.extract_value(weights_arr.shape, 1)
+        columns = _block_columns(builder, dots_arr.data, dots_cols, key0, lane0)
+        for i in range(VECTOR // row_heads):
+            total = None
+            for h in range(row_heads):
+                term = _relu(builder, columns[i * row_heads + h], zero)
+                if weighted:
+                    row = builder.add(first_row, ir.Constant(index, i))
+                    weight = builder.load(builder.gep(weights_arr.data, [
+                        builder.add(builder.mul(row, weight_cols), ir.Constant(index, h))]))
+                    term = builder.fmul(_splat(builder, weight, octet), term)
+                    total = builder.fadd(zero if total is None else total, term)
+                else:
+                    total = term if total is None else builder.fadd(total, term)
+            store(builder.fdiv(total, spread_divisor), i, 0)
+        return context.get_dummy_value()
+
+    return types.void(dots, totals, types.intp, types.intp, heads, weights, divisor), codegen
 
 
 SQUARE_SUM_ROWS = 2 * KEYS_PER_TILE

@@ -52,9 +52,9 @@ from numba.extending import overload
 
 from ..reference.kpool import score_page_error
 from ._bits import as_numba, narrow, widen
-from ._score_tasks import keys_seen, plan_score_tasks, relu_sums, score_task, task_in_order
+from ._score_tasks import keys_seen, plan_score_tasks, score_task, task_in_order, write_group_scores
 from ._tile_ir import KEYS_PER_TILE, VECTOR
-from ._tile_ops import KEYS_PER_TASK, dots_of_rows, new_scratch, transpose_dots
+from ._tile_ops import KEYS_PER_TASK, dots_of_rows, new_scratch
 from ._math import exp_f32
 from ._pages import first_missing_page
 from ._parallel import numba_threads, threads_for
@@ -296,7 +296,8 @@ def _score_kernel(scores, q, head_weights, cache, page_stride, base, per_page, t
         b, first_row, end_row, p0, chunk = score_task(in_order, task_starts, num_keys, offsets)
         scratch = new_scratch(cache, dim)
         dots = np.empty((KEYS_PER_TASK + KEYS_PER_TILE, group_lanes), np.float32)
-        lane_dots = np.empty((group_lanes, KEYS_PER_TASK + KEYS_PER_TILE), np.float32)
+        work = np.empty((group_lanes, KEYS_PER_TASK + KEYS_PER_TILE), np.float32)
+        group_weights = np.zeros((group_lanes, heads), np.float32)  # the group's rows, zeros past them
         for r0 in range(first_row, end_row, group_rows):
             r1 = min(r0 + group_rows, end_row)
             needed = keys_seen(visible, r0, r1, p0, chunk)
@@ -313,11 +314,9 @@ def _score_kernel(scores, q, head_weights, cache, page_stride, base, per_page, t
                 dots_of_rows(dots[column:], group_q, cache[start : start + run * dim].reshape((run, dim)), lanes,
                              scratch)
                 column += run
-            transpose_dots(dots, lane_dots, needed, lanes)  # each lane's pools contiguous: vectorised below
-            for r in range(r0, r1):
-                seen = max(0, min(chunk, visible[r] - p0))
-                relu_sums(scores[r, p0 : p0 + seen], lane_dots, (r - r0) * heads, heads, head_weights[r],
-                          np.float32(1.0))
+            group_weights[: r1 - r0] = head_weights[r0:r1]
+            write_group_scores(scores, dots, work, r0, r1, p0, chunk, visible, lanes, heads, group_weights,
+                               np.float32(1.0))
 
 
 def mla_kpool_score(scores, q, head_weights, pooled_blocks, lookup_table, query_positions, input_row_offsets,
