@@ -92,6 +92,16 @@ def test_balanced_order_pairs_early_and_late_tasks():
     assert [balanced_order(task, 6) for task in range(6)] == [0, 5, 1, 4, 2, 3]
 
 
+def test_worker_runs_cover_every_task_once_in_order():
+    from sparsekv.kernels.cpu._parallel import worker_tasks
+
+    for tasks, workers in ((1, 1), (7, 2), (64, 2), (3, 3), (10, 4)):
+        runs = [worker_tasks(worker, workers, tasks) for worker in range(workers)]
+        assert runs[0][0] == 0 and runs[-1][1] == tasks
+        assert all(end == next_first for (_, end), (next_first, _) in zip(runs, runs[1:]))
+        assert max(end - first for first, end in runs) - min(end - first for first, end in runs) <= 1
+
+
 def test_roof_column_is_the_longer_of_read_and_peak_over_ours():
     from sparsekv.bench.common import BenchRow, format_table
 

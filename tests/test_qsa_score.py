@@ -158,6 +158,31 @@ def test_cpu_many_keys_and_rows_equals_reference_and_rows_alone(heads):
         assert torch.equal(run_kernel(cpu_qsa.qsa_block_score, alone)[0], got[r]), f"row {r} alone differs"
 
 
+@pytest.mark.parametrize("heads", [3, 4])
+def test_cpu_kernel_bits_do_not_depend_on_the_worker_count(heads):
+    """The kernel's tasks split into 1, 2 or 5 contiguous runs (one per thread, each with its own scratch):
+    the same bits, with and without the in-register epilogue (4 heads), and the reference's values."""
+    from sparsekv.kernels.cpu._bits import as_numba
+
+    generator = torch.Generator().manual_seed(heads)
+    dim, ratio, max_blocks, rows = 40, 4, 700, 3
+    case = {"q": torch.randn(2 * rows, heads, dim, generator=generator).to(torch.bfloat16),
+            "block_keys": torch.randn(2 * max_blocks, dim, generator=generator).to(torch.bfloat16),
+            "positions": torch.tensor([4 * max_blocks - 1 - i for i in range(rows)] + [1001, 2000, 2030],
+                                      dtype=torch.int32),
+            "offsets": torch.tensor([0, rows, 2 * rows], dtype=torch.int32), "ratio": ratio,
+            "scale": math.sqrt(dim), "out_cols": max_blocks}
+    outs = []
+    for workers in (1, 2, 5):
+        out = poisoned((2 * rows, max_blocks), torch.float32)
+        cpu_qsa._block_score_kernel(out.numpy(), as_numba(case["q"]), as_numba(case["block_keys"]),
+                                    case["offsets"].numpy(), case["positions"].numpy(), ratio, max_blocks,
+                                    case["scale"], workers)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert_spec_close(outs[0], run_kernel(ref_qsa.qsa_block_score, case), what="cpu vs reference")
+
+
 def test_cpu_causal_prefill_rows_that_end_before_a_task():
     """A causal prefill over several tasks of keys: the first rows see none of the later tasks' blocks (their
     row groups skip those tasks); every row matches the reference and its own bits alone."""

@@ -268,6 +268,7 @@ class numba_threads:  # noqa: N801 - used like a function: ``with numba_threads(
 
     Asking for more than one thread is a request: while :data:`CONTENTION` sees the cores taken by other
     work, the block runs on one thread, and a block that does run on several is timed and judged.
+    ``with numba_threads(n) as threads:`` gives the count the block runs on.
     (Each ``numba.get_num_threads()`` costs ~3 us, so it is asked once per block.)"""
 
     __slots__ = ("requested", "threads", "available", "cpu_start", "wall_start")
@@ -275,7 +276,7 @@ class numba_threads:  # noqa: N801 - used like a function: ``with numba_threads(
     def __init__(self, count: int) -> None:
         self.requested = count
 
-    def __enter__(self) -> None:
+    def __enter__(self) -> int:
         self.available = available = numba.get_num_threads()
         count = max(1, min(available, self.requested))
         if count > 1 and not CONTENTION.allow_parallel(time.perf_counter(), count):
@@ -286,6 +287,7 @@ class numba_threads:  # noqa: N801 - used like a function: ``with numba_threads(
         if count > 1:
             self.cpu_start = time.process_time()
             self.wall_start = time.perf_counter()
+        return count
 
     def __exit__(self, exc_type, exc, traceback) -> None:
         if self.threads > 1 and exc_type is None:
@@ -307,3 +309,14 @@ def balanced_order(task, tasks):
     as many early tasks as late ones, where work grows or shrinks along the tasks (a causal prefill's late
     rows select more keys than its early ones; its late key chunks are seen by fewer rows)."""
     return task // 2 if task % 2 == 0 else tasks - 1 - task // 2
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def worker_tasks(worker, workers, tasks):
+    """``(first, end)``: the contiguous run of ``tasks`` that iteration ``worker`` of ``prange(workers)``
+    runs, the same equal split numba gives a ``prange(tasks)`` on ``workers`` threads (``workers`` from
+    ``with threads_for(work) as workers:``; numba's own thread count read inside a kernel would keep it
+    out of the disk cache). A kernel that loops ``for worker in prange(workers)`` over its runs
+    allocates its scratch once per worker instead of once per task (the score kernels' three scratch
+    arrays per 128-key task were 8-9% of a decode call)."""
+    return worker * tasks // workers, (worker + 1) * tasks // workers

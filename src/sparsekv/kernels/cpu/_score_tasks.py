@@ -165,7 +165,7 @@ def _head_sums_in_registers(row_totals, dots, num_keys, lanes, heads, weights, d
     return True
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, inline="always")
 def write_group_scores(scores, dots, work, r0, r1, key0, chunk, visible, lanes, heads, weights, divisor):
     """``scores[r, key0 + i] = (sum_h w_rh * relu(dots[i, (r - r0) * heads + h])) / divisor`` for rows ``r0 ..
     r1 - 1`` and the ``i < min(chunk, visible[r] - key0)`` keys each row sees: the epilogue of both score

@@ -57,7 +57,7 @@ from ._tile_ir import KEYS_PER_TILE, VECTOR
 from ._tile_ops import KEYS_PER_TASK, dots_of_rows, new_scratch
 from ._math import exp_f32
 from ._pages import first_missing_page
-from ._parallel import numba_threads, threads_for
+from ._parallel import numba_threads, threads_for, worker_tasks
 
 _MODE_SOFTMAX, _MODE_MEAN = 0, 1
 _POOLS_PER_TASK = 64  # pools per prange task: enough work to amortise scheduling, small scratch
@@ -276,7 +276,7 @@ def _check_score_pages(pooled_blocks, lookup_table, needed, query_positions, inp
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
-def _score_kernel(scores, q, head_weights, cache, page_stride, base, per_page, table, visible, offsets):
+def _score_kernel(scores, q, head_weights, cache, page_stride, base, per_page, table, visible, offsets, threads):
     """``scores [total_q, out_cols]``; ``q [total_q, heads, D]``; ``cache`` the pooled cache as one flat array:
     pool slot ``s`` of page ``n`` (this layer) starts at ``cache[n*page_stride + base + s*D]``.
 
@@ -286,37 +286,42 @@ def _score_kernel(scores, q, head_weights, cache, page_stride, base, per_page, t
     page table (:func:`._tile_ops.dots_of_rows`); a row's score is
     ``sum_h w_h * relu(dot_h)`` summed in head order. ``q_t[group]``
     holds a row group's queries transposed, ``[D, lanes]``, zero padding lanes.
+    The tasks run as ``threads`` contiguous runs (:func:`._parallel.worker_tasks`), each with one set of scratch.
     """
     total_q, heads, dim = q.shape
     batch = offsets.shape[0] - 1
     num_keys, task_starts, group_starts, q_t, group_rows = plan_score_tasks(scores, q, offsets, visible)
     group_lanes = q_t.shape[2]
-    for task in numba.prange(task_starts[batch]):
-        in_order = task_in_order(task, task_starts, group_starts)
-        b, first_row, end_row, p0, chunk = score_task(in_order, task_starts, num_keys, offsets)
+    tasks = task_starts[batch]
+    workers = max(1, min(threads, tasks))
+    for worker in numba.prange(workers):
         scratch = new_scratch(cache, dim)
         dots = np.empty((KEYS_PER_TASK + KEYS_PER_TILE, group_lanes), np.float32)
         work = np.empty((group_lanes, KEYS_PER_TASK + KEYS_PER_TILE), np.float32)
-        group_weights = np.zeros((group_lanes, heads), np.float32)  # the group's rows, zeros past them
-        for r0 in range(first_row, end_row, group_rows):
-            r1 = min(r0 + group_rows, end_row)
-            needed = keys_seen(visible, r0, r1, p0, chunk)
-            if needed <= 0:
-                continue
-            lanes = ((r1 - r0) * heads + VECTOR - 1) // VECTOR * VECTOR
-            group_q = q_t[group_starts[b] + (r0 - first_row) // group_rows]
-            column = 0
-            while column < needed:  # page by page: a page's pools are consecutive rows
-                pool = p0 + column
-                slot = pool % per_page
-                run = min(per_page - slot, needed - column)
-                start = table[b, pool // per_page] * page_stride + base + slot * dim
-                dots_of_rows(dots[column:], group_q, cache[start : start + run * dim].reshape((run, dim)), lanes,
-                             scratch)
-                column += run
-            group_weights[: r1 - r0] = head_weights[r0:r1]
-            write_group_scores(scores, dots, work, r0, r1, p0, chunk, visible, lanes, heads, group_weights,
-                               np.float32(1.0))
+        group_weights = np.zeros((group_lanes, heads), np.float32)  # a group's rows first; later rows unused
+        first_task, end_task = worker_tasks(worker, workers, tasks)
+        for task in range(first_task, end_task):
+            in_order = task_in_order(task, task_starts, group_starts)
+            b, first_row, end_row, p0, chunk = score_task(in_order, task_starts, num_keys, offsets)
+            for r0 in range(first_row, end_row, group_rows):
+                r1 = min(r0 + group_rows, end_row)
+                needed = keys_seen(visible, r0, r1, p0, chunk)
+                if needed <= 0:
+                    continue
+                lanes = ((r1 - r0) * heads + VECTOR - 1) // VECTOR * VECTOR
+                group_q = q_t[group_starts[b] + (r0 - first_row) // group_rows]
+                column = 0
+                while column < needed:  # page by page: a page's pools are consecutive rows
+                    pool = p0 + column
+                    slot = pool % per_page
+                    run = min(per_page - slot, needed - column)
+                    start = table[b, pool // per_page] * page_stride + base + slot * dim
+                    dots_of_rows(dots[column:], group_q, cache[start : start + run * dim].reshape((run, dim)),
+                                 lanes, scratch)
+                    column += run
+                group_weights[: r1 - r0] = head_weights[r0:r1]
+                write_group_scores(scores, dots, work, r0, r1, p0, chunk, visible, lanes, heads, group_weights,
+                                   np.float32(1.0))
 
 
 def mla_kpool_score(scores, q, head_weights, pooled_blocks, lookup_table, query_positions, input_row_offsets,
@@ -343,9 +348,9 @@ def mla_kpool_score(scores, q, head_weights, pooled_blocks, lookup_table, query_
         cache = pooled_blocks.as_strided((span,), (1,))  # flat: numba vectorises contiguous slices only
     base = layer * per_page * dim  # plane 0 of this layer
     target = scores if scores.is_contiguous() else torch.empty_like(scores, memory_format=torch.contiguous_format)
-    with threads_for(total_visible * q.shape[1] * q.shape[2]):
+    with threads_for(total_visible * q.shape[1] * q.shape[2]) as threads:
         _score_kernel(target.numpy(), as_numba(q.contiguous()), head_weights.float().contiguous().numpy(),
-                      as_numba(cache), page_stride, base, per_page, lookup_table.numpy(), visible, offsets)
+                      as_numba(cache), page_stride, base, per_page, lookup_table.numpy(), visible, offsets, threads)
     if target is not scores:
         scores.copy_(target)
 

@@ -75,7 +75,7 @@ from ._tile_ir import KEYS_PER_TILE, SQUARE_SUM_ROWS, VECTOR
 from ._tile_ops import KEYS_PER_TASK, dots_of_rows, new_scratch, square_sums_in_order
 from ._pages import first_missing_page
 from ._paged_rows import flat_plane
-from ._parallel import PARALLEL_JIT, threads_for
+from ._parallel import PARALLEL_JIT, threads_for, worker_tasks
 from ._sparse_attend import sparse_attention
 
 _ROWS_PER_TASK = 64  # block-key rows per compress task (groups of SQUARE_SUM_ROWS: their RMSNorm sums run at once)
@@ -200,13 +200,14 @@ def qsa_compress_keys_paged(block_keys, gamma, freqs_cis, key_counts, blocks, lo
 # ---- block score --------------------------------------------------------------------
 
 @numba.njit(**PARALLEL_JIT)
-def _block_score_kernel(scores, q, keys, offsets, positions, ratio, max_blocks, scale):
+def _block_score_kernel(scores, q, keys, offsets, positions, ratio, max_blocks, scale, threads):
     """``scores [total_q, out_cols]``; ``q [total_q, heads, D]``; ``keys [B*max_blocks, D]``.
 
     Task = (sequence, chunk of its block keys): each group of the sequence's
     rows runs over the chunk's keys, read in place (:func:`._tile_ops.dots_of_rows`).
     ``q_t[group]`` holds a row group's queries transposed, lane ``row*heads +
     h``, zeros in the padding lanes.
+    The tasks run as ``threads`` contiguous runs (:func:`._parallel.worker_tasks`), each with one set of scratch.
     """
     total_q, heads, dim = q.shape
     batch = offsets.shape[0] - 1
@@ -217,21 +218,26 @@ def _block_score_kernel(scores, q, keys, offsets, positions, ratio, max_blocks, 
     num_keys, task_starts, group_starts, q_t, group_rows = plan_score_tasks(scores, q, offsets, visible)
     group_lanes = q_t.shape[2]
     divisor = np.float32(scale)  # the block score sums relu(dot) unweighted, then divides
-    for task in prange(task_starts[batch]):
-        in_order = task_in_order(task, task_starts, group_starts)
-        b, first_row, end_row, g0, chunk = score_task(in_order, task_starts, num_keys, offsets)
-        rows = keys[b * max_blocks + g0 : b * max_blocks + g0 + chunk]
+    tasks = task_starts[batch]
+    workers = max(1, min(threads, tasks))
+    for worker in prange(workers):
         scratch = new_scratch(keys, dim)
         dots = np.empty((KEYS_PER_TASK + KEYS_PER_TILE, group_lanes), np.float32)
         work = np.empty((group_lanes, KEYS_PER_TASK + KEYS_PER_TILE), np.float32)
-        for r0 in range(first_row, end_row, group_rows):
-            r1 = min(r0 + group_rows, end_row)
-            needed = keys_seen(visible, r0, r1, g0, chunk)
-            if needed <= 0:
-                continue
-            lanes = ((r1 - r0) * heads + VECTOR - 1) // VECTOR * VECTOR
-            dots_of_rows(dots, q_t[group_starts[b] + (r0 - first_row) // group_rows], rows[:needed], lanes, scratch)
-            write_group_scores(scores, dots, work, r0, r1, g0, chunk, visible, lanes, heads, None, divisor)
+        first_task, end_task = worker_tasks(worker, workers, tasks)
+        for task in range(first_task, end_task):
+            in_order = task_in_order(task, task_starts, group_starts)
+            b, first_row, end_row, g0, chunk = score_task(in_order, task_starts, num_keys, offsets)
+            rows = keys[b * max_blocks + g0 : b * max_blocks + g0 + chunk]
+            for r0 in range(first_row, end_row, group_rows):
+                r1 = min(r0 + group_rows, end_row)
+                needed = keys_seen(visible, r0, r1, g0, chunk)
+                if needed <= 0:
+                    continue
+                lanes = ((r1 - r0) * heads + VECTOR - 1) // VECTOR * VECTOR
+                dots_of_rows(dots, q_t[group_starts[b] + (r0 - first_row) // group_rows], rows[:needed], lanes,
+                             scratch)
+                write_group_scores(scores, dots, work, r0, r1, g0, chunk, visible, lanes, heads, None, divisor)
 
 
 def qsa_block_score(scores, q, block_keys, query_positions, input_row_offsets, ratio, score_scale):
@@ -239,9 +245,10 @@ def qsa_block_score(scores, q, block_keys, query_positions, input_row_offsets, r
     batch = input_row_offsets.shape[0] - 1
     max_blocks = block_keys.shape[0] // batch
     out = scores if scores.is_contiguous() else torch.empty_like(scores, memory_format=torch.contiguous_format)
-    with threads_for(q.shape[0] * max_blocks * q.shape[1] * q.shape[2]):
+    with threads_for(q.shape[0] * max_blocks * q.shape[1] * q.shape[2]) as threads:
         _block_score_kernel(out.numpy(), as_numba(q.contiguous()), as_numba(block_keys.contiguous()),
-                            input_row_offsets.numpy(), query_positions.numpy(), ratio, max_blocks, float(score_scale))
+                            input_row_offsets.numpy(), query_positions.numpy(), ratio, max_blocks, float(score_scale),
+                            threads)
     if out is not scores:
         scores.copy_(out)
 
