@@ -2,8 +2,9 @@
 
 :func:`plan_score_tasks` turns a batch (``offsets``, each row's visible keys)
 into tasks and transposed query groups; :func:`task_in_order` the order the
-threads take them in; :func:`score_task` says which rows and
-keys one task covers, :func:`keys_seen` how many of them a row group needs;
+threads take them in; :func:`score_task` says which rows and keys an
+iteration's task covers, :func:`row_group` which rows form a group, how many
+of the keys they need (:func:`keys_seen`) and their tile lanes;
 :func:`write_group_scores` is the epilogue both score kernels end with, the
 weighted ReLU sum over heads: in registers on the tiles where a row's heads
 divide the tile's 16 lanes, else :func:`relu_sums` over the transposed dots.
@@ -80,9 +81,11 @@ def task_in_order(task, task_starts, group_starts):
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def score_task(task, task_starts, num_keys, offsets):
-    """``(b, first_row, end_row, key0, chunk)`` of task ``task`` of :func:`plan_score_tasks`: sequence
-    ``b``'s rows ``first_row .. end_row - 1`` against its keys ``key0 .. key0 + chunk - 1``."""
+def score_task(iteration, task_starts, group_starts, num_keys, offsets):
+    """``(b, first_row, end_row, key0, chunk)`` of the task of :func:`plan_score_tasks` that iteration
+    ``iteration`` runs (:func:`task_in_order`): sequence ``b``'s rows ``first_row .. end_row - 1`` against
+    its keys ``key0 .. key0 + chunk - 1``."""
+    task = task_in_order(iteration, task_starts, group_starts)
     b = np.searchsorted(task_starts, task, side="right") - 1
     key0 = (task - task_starts[b]) * KEYS_PER_TASK
     return b, offsets[b], offsets[b + 1], key0, min(KEYS_PER_TASK, num_keys[b] - key0)
@@ -97,6 +100,15 @@ def keys_seen(visible, r0, r1, key0, chunk):
     for r in range(r0, r1):
         seen = max(seen, min(chunk, visible[r] - key0))
     return seen
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def row_group(r0, end_row, group_rows, visible, key0, chunk, heads):
+    """``(r1, needed, lanes)`` of the row group from ``r0``: its rows ``r0 .. r1 - 1`` (at most ``group_rows``,
+    none past ``end_row``), the task's keys they need (:func:`keys_seen`; none: skip the group) and its tile
+    lanes (``(r1 - r0) * heads`` rounded up to a whole vector)."""
+    r1 = min(r0 + group_rows, end_row)
+    return r1, keys_seen(visible, r0, r1, key0, chunk), ((r1 - r0) * heads + VECTOR - 1) // VECTOR * VECTOR
 
 
 @numba.njit(cache=True, nogil=True, inline="always")

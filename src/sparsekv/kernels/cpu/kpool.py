@@ -52,8 +52,8 @@ from numba.extending import overload
 
 from ..reference.kpool import score_page_error
 from ._bits import as_numba, narrow, widen
-from ._score_tasks import keys_seen, plan_score_tasks, score_task, task_in_order, write_group_scores
-from ._tile_ir import KEYS_PER_TILE, VECTOR
+from ._score_tasks import plan_score_tasks, row_group, score_task, write_group_scores
+from ._tile_ir import KEYS_PER_TILE
 from ._tile_ops import KEYS_PER_TASK, dots_of_rows, new_scratch
 from ._math import exp_f32
 from ._pages import first_missing_page
@@ -301,14 +301,11 @@ def _score_kernel(scores, q, head_weights, cache, page_stride, base, per_page, t
         group_weights = np.zeros((group_lanes, heads), np.float32)  # a group's rows first; later rows unused
         first_task, end_task = worker_tasks(worker, workers, tasks)
         for task in range(first_task, end_task):
-            in_order = task_in_order(task, task_starts, group_starts)
-            b, first_row, end_row, p0, chunk = score_task(in_order, task_starts, num_keys, offsets)
+            b, first_row, end_row, p0, chunk = score_task(task, task_starts, group_starts, num_keys, offsets)
             for r0 in range(first_row, end_row, group_rows):
-                r1 = min(r0 + group_rows, end_row)
-                needed = keys_seen(visible, r0, r1, p0, chunk)
+                r1, needed, lanes = row_group(r0, end_row, group_rows, visible, p0, chunk, heads)
                 if needed <= 0:
                     continue
-                lanes = ((r1 - r0) * heads + VECTOR - 1) // VECTOR * VECTOR
                 group_q = q_t[group_starts[b] + (r0 - first_row) // group_rows]
                 column = 0
                 while column < needed:  # page by page: a page's pools are consecutive rows

@@ -70,8 +70,8 @@ from numba import prange
 from ..._checks import check_freqs_cis_rows
 from ...cache.layout import page_error
 from ._bits import as_numba, narrow, widen
-from ._score_tasks import keys_seen, plan_score_tasks, score_task, task_in_order, write_group_scores
-from ._tile_ir import KEYS_PER_TILE, SQUARE_SUM_ROWS, VECTOR
+from ._score_tasks import plan_score_tasks, row_group, score_task, write_group_scores
+from ._tile_ir import KEYS_PER_TILE, SQUARE_SUM_ROWS
 from ._tile_ops import KEYS_PER_TASK, dots_of_rows, new_scratch, square_sums_in_order
 from ._pages import first_missing_page
 from ._paged_rows import flat_plane
@@ -226,15 +226,12 @@ def _block_score_kernel(scores, q, keys, offsets, positions, ratio, max_blocks, 
         work = np.empty((group_lanes, KEYS_PER_TASK + KEYS_PER_TILE), np.float32)
         first_task, end_task = worker_tasks(worker, workers, tasks)
         for task in range(first_task, end_task):
-            in_order = task_in_order(task, task_starts, group_starts)
-            b, first_row, end_row, g0, chunk = score_task(in_order, task_starts, num_keys, offsets)
+            b, first_row, end_row, g0, chunk = score_task(task, task_starts, group_starts, num_keys, offsets)
             rows = keys[b * max_blocks + g0 : b * max_blocks + g0 + chunk]
             for r0 in range(first_row, end_row, group_rows):
-                r1 = min(r0 + group_rows, end_row)
-                needed = keys_seen(visible, r0, r1, g0, chunk)
+                r1, needed, lanes = row_group(r0, end_row, group_rows, visible, g0, chunk, heads)
                 if needed <= 0:
                     continue
-                lanes = ((r1 - r0) * heads + VECTOR - 1) // VECTOR * VECTOR
                 dots_of_rows(dots, q_t[group_starts[b] + (r0 - first_row) // group_rows], rows[:needed], lanes,
                              scratch)
                 write_group_scores(scores, dots, work, r0, r1, g0, chunk, visible, lanes, heads, None, divisor)
