@@ -119,6 +119,16 @@ def test_score_cpu_matches_reference(dtype, dim, seed):
     assert_scores_close(got, want, terms)
 
 
+def test_score_without_heads_is_an_empty_sum():
+    """Zero index heads: every visible pool scores 0 (the empty sum), on the CPU as in the reference."""
+    coll, q, w, positions, offsets, _, _ = score_case(torch.float32, seed=24, heads=0)
+    args = (q, w, coll.blocks, coll.lookup_table, positions, offsets, 4, 1)
+    got, want = torch.full((q.shape[0], 12), float("nan")), torch.full((q.shape[0], 12), float("nan"))
+    cpu.mla_kpool_score(got, *args)
+    ref.mla_kpool_score(want, *args)
+    assert torch.equal(got, want) and bool((want == 0).any())
+
+
 def test_score_wider_output_and_out_argument():
     coll, q, w, positions, offsets, pooled_keys, seq_of_row = score_case(torch.float32, seed=22)
     holder = torch.full((q.shape[0], 40), float("nan"))

@@ -183,6 +183,15 @@ def test_cpu_kernel_bits_do_not_depend_on_the_worker_count(heads):
     assert_spec_close(outs[0], run_kernel(ref_qsa.qsa_block_score, case), what="cpu vs reference")
 
 
+def test_cpu_without_heads_is_an_empty_sum():
+    """Zero index heads: every visible block scores 0 (the empty sum), on the CPU as in the reference."""
+    case = {"q": torch.randn(3, 0, 16), "block_keys": torch.randn(20, 16),
+            "positions": torch.tensor([9, 20, 39], dtype=torch.int32),
+            "offsets": torch.tensor([0, 1, 3], dtype=torch.int32), "ratio": 4, "scale": 4.0, "out_cols": 10}
+    got, want = run_kernel(cpu_qsa.qsa_block_score, case), run_kernel(ref_qsa.qsa_block_score, case)
+    assert torch.equal(got, want) and bool((want == 0).any())
+
+
 def test_cpu_causal_prefill_rows_that_end_before_a_task():
     """A causal prefill over several tasks of keys: the first rows see none of the later tasks' blocks (their
     row groups skip those tasks); every row matches the reference and its own bits alone."""

@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-
-from ._parallel import balanced_order
 from numba.extending import overload
 
+from ._parallel import balanced_order
 from ._tile_ir import KEYS_PER_TILE, VECTOR, relu_head_sums_block
 from ._tile_ops import KEYS_PER_TASK, new_query_tiles, put_query, transpose_dots
 
@@ -190,6 +189,10 @@ def write_group_scores(scores, dots, work, r0, r1, key0, chunk, visible, lanes, 
     (:func:`._tile_ir.relu_head_sums_block`) into ``work``'s rows and are copied out; else ``dots`` is
     transposed into ``work`` and :func:`relu_sums` runs over each lane's keys.
     """
+    if heads == 0:  # an empty sum over heads
+        for r in range(r0, r1):
+            scores[r, key0 : key0 + max(0, min(chunk, visible[r] - key0))] = np.float32(0.0) / divisor
+        return
     needed = keys_seen(visible, r0, r1, key0, chunk)
     if _head_sums_in_registers(work, dots, needed, lanes, heads, weights, divisor):
         for r in range(r0, r1):

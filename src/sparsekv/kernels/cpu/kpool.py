@@ -298,7 +298,8 @@ def _score_kernel(scores, q, head_weights, cache, page_stride, base, per_page, t
         scratch = new_scratch(cache, dim)
         dots = np.empty((KEYS_PER_TASK + KEYS_PER_TILE, group_lanes), np.float32)
         work = np.empty((group_lanes, KEYS_PER_TASK + KEYS_PER_TILE), np.float32)
-        group_weights = np.zeros((group_lanes, heads), np.float32)  # a group's rows first; later rows unused
+        # a group's rows (at most group_rows) first; the register epilogue reads up to lanes // heads rows
+        group_weights = np.zeros((max(group_rows, group_lanes), heads), np.float32)
         first_task, end_task = worker_tasks(worker, workers, tasks)
         for task in range(first_task, end_task):
             b, first_row, end_row, p0, chunk = score_task(task, task_starts, group_starts, num_keys, offsets)
