@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from sparsekv.kernels.cpu._bits import as_numba
-from sparsekv.kernels.cpu._score_tasks import relu_sums, task_in_order, write_group_scores
+from sparsekv.kernels.cpu._score_tasks import keys_seen, relu_sums, task_in_order, write_group_scores
 from sparsekv.kernels.cpu._tile_ir import (KEYS_PER_TILE, SQUARE_SUM_ROWS, VECTOR, WEIGHTED_CHANNELS, WEIGHTED_HEADS,
                                           _check_llvmlite_for_bfloat, _target_has_bf16_dot)
 from sparsekv.kernels.cpu._tile_ops import (KEYS_PER_TASK, dots_of_gathered_rows, dots_of_rows, gather_rows,
@@ -243,6 +243,12 @@ def test_relu_sums_are_the_in_order_chain_then_one_division(heads, divisor):
     assert np.array_equal(totals.view(np.uint32), want.view(np.uint32))
 
 
+def test_relu_sums_without_heads_write_the_empty_sum():
+    totals = np.full(5, np.nan, np.float32)
+    relu_sums(totals, np.zeros((1, 5), np.float32), 0, 0, np.zeros(0, np.float32), np.float32(-3.0))
+    assert np.array_equal(totals.view(np.uint32), np.full(5, -0.0, np.float32).view(np.uint32))
+
+
 def _relu_sum_chain(dots, weights, divisor):
     """``((0 + w_0 relu(x_0)) + ...) / divisor`` in float32, one rounding per step, for ``dots [heads]``."""
     acc = np.float32(0.0)
@@ -272,7 +278,8 @@ def test_group_scores_are_the_relu_sum_chain_in_registers_or_not(heads, weighted
     scores = rng.standard_normal((r0 + rows + 1, key0 + chunk + 5)).astype(np.float32)
     before = scores.copy()
     work = np.empty((lanes, rounded), np.float32)
-    write_group_scores(scores, dots, work, r0, r0 + rows, key0, chunk, visible, lanes, heads, weights, divisor)
+    needed = keys_seen(visible, r0, r0 + rows, key0, chunk)
+    write_group_scores(scores, dots, work, r0, r0 + rows, key0, chunk, needed, visible, lanes, heads, weights, divisor)
     want = before.copy()
     unit = np.ones(heads, np.float32)
     for r in range(r0, r0 + rows):

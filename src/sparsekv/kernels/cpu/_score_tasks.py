@@ -116,8 +116,12 @@ def relu_sums(totals, lane_dots, lane0, heads, weights, divisor):
     len(totals)``, each sum ``0 + ...`` in head order ``h = 0 .. heads-1``, one multiply and one add per
     term (a weight or a divisor of 1 changes no bit); relu keeps NaN. ``lane_dots [lanes, keys]`` from
     :func:`._tile_ops.transpose_dots`, so each pass runs over contiguous keys, vectorised: the first
-    head's pass writes the totals, the last one divides them (``heads`` passes in all)."""
+    head's pass writes the totals, the last one divides them (``heads`` passes in all; no heads: ``0 /
+    divisor``)."""
     seen = totals.shape[0]
+    if heads == 0:  # the empty sum
+        totals[:] = np.float32(0.0) / divisor
+        return
     last = heads - 1
     # one loop per kind of pass: with the first/last choice inside a single loop it was not taken
     # out of the loop, and the passes ran 1.7-2.5x slower
@@ -142,6 +146,19 @@ def relu_sums(totals, lane_dots, lane0, heads, weights, divisor):
                 totals[i] += weight * (x if not x <= np.float32(0.0) else np.float32(0.0))
 
 
+def _unit_weights(weights, heads):
+    """``heads`` float32 ones where ``weights`` is ``None``, else ``weights`` itself, unread (numba only): what
+    :func:`_row_weights` hands out for a call without weights, allocated only for one."""
+    raise NotImplementedError
+
+
+@overload(_unit_weights, inline="always")
+def _unit_weights_overload(weights, heads):
+    if isinstance(weights, (numba.types.NoneType, numba.types.Omitted)):
+        return lambda weights, heads: np.ones(heads, np.float32)
+    return lambda weights, heads: weights
+
+
 def _row_weights(weights, i, unit):
     """Row ``i`` of ``weights``, or ``unit`` where ``weights`` is ``None`` (numba only)."""
     raise NotImplementedError
@@ -158,8 +175,8 @@ def _row_weights_overload(weights, i, unit):
 def _head_sums_in_registers(row_totals, dots, num_keys, lanes, heads, weights, divisor):
     """:func:`._tile_ir.relu_head_sums_block` over every tile of ``dots [keys, lanes]``, for a head count
     that divides the tile's 16 lanes (a literal per branch); returns ``False``, having written nothing,
-    for any other."""
-    if VECTOR % heads != 0:
+    for any other (no heads included)."""
+    if heads == 0 or VECTOR % heads != 0:
         return False
     for key0 in range(0, num_keys, KEYS_PER_TILE):
         for lane0 in range(0, lanes, VECTOR):
@@ -177,30 +194,26 @@ def _head_sums_in_registers(row_totals, dots, num_keys, lanes, heads, weights, d
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def write_group_scores(scores, dots, work, r0, r1, key0, chunk, visible, lanes, heads, weights, divisor):
+def write_group_scores(scores, dots, work, r0, r1, key0, chunk, needed, visible, lanes, heads, weights, divisor):
     """``scores[r, key0 + i] = (sum_h w_rh * relu(dots[i, (r - r0) * heads + h])) / divisor`` for rows ``r0 ..
     r1 - 1`` and the ``i < min(chunk, visible[r] - key0)`` keys each row sees: the epilogue of both score
     kernels, :func:`relu_sums`' bits.
 
-    ``dots [>= keys rounded up to 8, >= lanes]`` one row group's dot products (lane ``(r - r0) * heads +
-    h``); ``work`` float32 ``[>= lanes, >= keys rounded up to 8]`` scratch; ``weights`` ``None`` (all 1) or
-    float32 ``[>= lanes // heads, heads]`` (row ``r - r0``; rows past ``r1 - r0`` are read when ``heads``
-    divides 16: keep them finite). Where ``heads`` divides 16 the sums run on the tiles in registers
-    (:func:`._tile_ir.relu_head_sums_block`) into ``work``'s rows and are copied out; else ``dots`` is
-    transposed into ``work`` and :func:`relu_sums` runs over each lane's keys.
+    ``dots [>= needed rounded up to 8, >= lanes]`` one row group's dot products (lane ``(r - r0) * heads +
+    h``) for the ``needed`` keys its rows see (:func:`row_group`); ``work`` float32 ``[>= lanes, >= needed
+    rounded up to 8]`` scratch; ``weights`` ``None`` (all 1) or float32 ``[>= lanes // heads, heads]`` (row
+    ``r - r0``; rows past ``r1 - r0`` are read when ``heads`` divides 16: keep them finite). Where ``heads``
+    divides 16 the sums run on the tiles in registers (:func:`._tile_ir.relu_head_sums_block`) into
+    ``work``'s rows and are copied out; else ``dots`` is transposed into ``work`` and :func:`relu_sums` runs
+    over each lane's keys.
     """
-    if heads == 0:  # an empty sum over heads
-        for r in range(r0, r1):
-            scores[r, key0 : key0 + max(0, min(chunk, visible[r] - key0))] = np.float32(0.0) / divisor
-        return
-    needed = keys_seen(visible, r0, r1, key0, chunk)
     if _head_sums_in_registers(work, dots, needed, lanes, heads, weights, divisor):
         for r in range(r0, r1):
             seen = max(0, min(chunk, visible[r] - key0))
             scores[r, key0 : key0 + seen] = work[r - r0, :seen]
         return
     transpose_dots(dots, work, needed, lanes)
-    unit = np.ones(heads, np.float32)
+    unit = _unit_weights(weights, heads)
     for r in range(r0, r1):
         seen = max(0, min(chunk, visible[r] - key0))
         relu_sums(scores[r, key0 : key0 + seen], work, (r - r0) * heads, heads, _row_weights(weights, r - r0, unit),

@@ -318,8 +318,8 @@ def _score_kernel(scores, q, head_weights, cache, page_stride, base, per_page, t
                                  lanes, scratch)
                     column += run
                 group_weights[: r1 - r0] = head_weights[r0:r1]
-                write_group_scores(scores, dots, work, r0, r1, p0, chunk, visible, lanes, heads, group_weights,
-                                   np.float32(1.0))
+                write_group_scores(scores, dots, work, r0, r1, p0, chunk, needed, visible, lanes, heads,
+                                   group_weights, np.float32(1.0))
 
 
 def mla_kpool_score(scores, q, head_weights, pooled_blocks, lookup_table, query_positions, input_row_offsets,

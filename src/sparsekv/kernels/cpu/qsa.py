@@ -234,7 +234,8 @@ def _block_score_kernel(scores, q, keys, offsets, positions, ratio, max_blocks, 
                     continue
                 dots_of_rows(dots, q_t[group_starts[b] + (r0 - first_row) // group_rows], rows[:needed], lanes,
                              scratch)
-                write_group_scores(scores, dots, work, r0, r1, g0, chunk, visible, lanes, heads, None, divisor)
+                write_group_scores(scores, dots, work, r0, r1, g0, chunk, needed, visible, lanes, heads, None,
+                                   divisor)
 
 
 def qsa_block_score(scores, q, block_keys, query_positions, input_row_offsets, ratio, score_scale):
