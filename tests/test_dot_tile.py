@@ -257,14 +257,15 @@ def _relu_sum_chain(dots, weights, divisor):
     return np.float32(acc / np.float32(divisor))
 
 
-@pytest.mark.parametrize("heads", [1, 2, 3, 4, 8, 16])
+@pytest.mark.parametrize("heads", [1, 2, 3, 4, 8, 16, 32, 48, 64])
 @pytest.mark.parametrize("weighted", [False, True])
 def test_group_scores_are_the_relu_sum_chain_in_registers_or_not(heads, weighted):
-    """A row group's scores, for head counts summed on the tiles in registers (1, 2, 4, 8, 16) and one
-    that is transposed first (3), unit or random weights: every seen key's total equals the in-order
-    chain bit for bit (NaN, -0 and negative weights included), and nothing else of ``scores`` changes."""
+    """A row group's scores, for head counts summed on the tiles in registers (1, 2, 4, 8, 16; 32 and 64
+    over several tiles) and ones that are transposed first (3, 48), unit or random weights: every seen
+    key's total equals the in-order chain bit for bit (NaN, -0 and negative weights included), and
+    nothing else of ``scores`` changes."""
     rng = np.random.default_rng(10 * heads + weighted)
-    rows, key0, chunk, divisor = max(1, 32 // heads) - 1, 24, 45, np.float32(11.3)  # a padding row when possible
+    rows, key0, chunk, divisor = max(3, 32 // heads) - 1, 24, 45, np.float32(11.3)  # a padding row when possible
     lanes = -(-rows * heads // VECTOR) * VECTOR
     rounded = -(-chunk // KEYS_PER_TILE) * KEYS_PER_TILE
     dots = rng.standard_normal((rounded, lanes)) * np.exp(rng.uniform(-8, 8, (rounded, lanes)))

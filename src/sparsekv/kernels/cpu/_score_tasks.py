@@ -174,22 +174,26 @@ def _row_weights_overload(weights, i, unit):
 @numba.njit(cache=True, nogil=True, inline="always")
 def _head_sums_in_registers(row_totals, dots, num_keys, lanes, heads, weights, divisor):
     """:func:`._tile_ir.relu_head_sums_block` over every tile of ``dots [keys, lanes]``, for a head count
-    that divides the tile's 16 lanes (a literal per branch); returns ``False``, having written nothing,
-    for any other (no heads included)."""
-    if heads == 0 or VECTOR % heads != 0:
+    that divides the tile's 16 lanes or is 32 or 64 (a literal per branch); returns ``False``, having
+    written nothing, for any other (no heads included)."""
+    if heads not in (1, 2, 4, 8, 16, 32, 64):
         return False
     for key0 in range(0, num_keys, KEYS_PER_TILE):
-        for lane0 in range(0, lanes, VECTOR):
-            if heads == 4:
-                relu_head_sums_block(dots, row_totals, key0, lane0, 4, weights, divisor)
-            elif heads == 1:
+        for lane0 in range(0, lanes, max(VECTOR, heads)):
+            if heads == 1:
                 relu_head_sums_block(dots, row_totals, key0, lane0, 1, weights, divisor)
             elif heads == 2:
                 relu_head_sums_block(dots, row_totals, key0, lane0, 2, weights, divisor)
+            elif heads == 4:
+                relu_head_sums_block(dots, row_totals, key0, lane0, 4, weights, divisor)
             elif heads == 8:
                 relu_head_sums_block(dots, row_totals, key0, lane0, 8, weights, divisor)
-            else:
+            elif heads == 16:
                 relu_head_sums_block(dots, row_totals, key0, lane0, 16, weights, divisor)
+            elif heads == 32:
+                relu_head_sums_block(dots, row_totals, key0, lane0, 32, weights, divisor)
+            else:
+                relu_head_sums_block(dots, row_totals, key0, lane0, 64, weights, divisor)
     return True
 
 
@@ -203,7 +207,7 @@ def write_group_scores(scores, dots, work, r0, r1, key0, chunk, needed, visible,
     h``) for the ``needed`` keys its rows see (:func:`row_group`); ``work`` float32 ``[>= lanes, >= needed
     rounded up to 8]`` scratch; ``weights`` ``None`` (all 1) or float32 ``[>= lanes // heads, heads]`` (row
     ``r - r0``; rows past ``r1 - r0`` are read when ``heads`` divides 16: keep them finite). Where ``heads``
-    divides 16 the sums run on the tiles in registers (:func:`._tile_ir.relu_head_sums_block`) into
+    divides 16 or is 32 or 64 the sums run on the tiles in registers (:func:`._tile_ir.relu_head_sums_block`) into
     ``work``'s rows and are copied out; else ``dots`` is transposed into ``work`` and :func:`relu_sums` runs
     over each lane's keys.
     """

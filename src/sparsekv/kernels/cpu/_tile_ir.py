@@ -443,22 +443,24 @@ def _relu(builder, x, zero):
 
 @intrinsic(prefer_literal=True)
 def relu_head_sums_block(typingctx, dots, totals, key0, lane0, heads, weights, divisor):
-    """The score epilogue of one tile, in registers, for a head count ``heads`` (a literal dividing 16):
-    ``totals[lane0 // heads + i, key0 + k] = (sum_h w_h * relu(dots[key0 + k, lane0 + i*heads + h])) /
-    divisor`` for ``k < 8``, ``i < 16 // heads``, each sum in head order ``h = 0 .. heads-1``: the same
-    operations in the same order as :func:`._score_tasks.relu_sums`, whose bits it reproduces.
+    """The score epilogue of one tile, in registers, for a head count ``heads`` (a literal dividing 16 or a
+    multiple of 16): ``totals[lane0 // heads + i, key0 + k] = (sum_h w_h * relu(dots[key0 + k, lane0 +
+    i*heads + h])) / divisor`` for ``k < 8``, ``i < max(1, 16 // heads)``, each sum in head order ``h = 0
+    .. heads-1``: the same operations in the same order as :func:`._score_tasks.relu_sums`, whose bits it
+    reproduces.
 
     ``weights`` ``None`` (every weight 1: neither the multiplies nor the leading ``0 +`` change a bit of
     a ReLU's result, so neither is emitted) or float32 ``[rows, heads]`` C (row ``lane0 // heads + i``);
-    ``dots`` and ``totals`` float32 2-d C; ``divisor`` float32. The tile's 16 lanes hold whole rows
-    (``16 % heads == 0``), so no sum crosses from one tile to the next. Unweighted 2, 4 or 8 heads:
-    each group of ``heads`` keys is transposed within each row's lanes (:func:`_segment_transpose`), so
-    the sums run on whole 16-lane vectors (``16 // heads`` rows x ``heads`` keys) and each row's keys
-    are stored at once. Otherwise the 8 x 16 transpose (:func:`_block_columns`) makes each (row, head)
-    an 8-key vector. The caller keeps every index in bounds.
+    ``dots`` and ``totals`` float32 2-d C; ``divisor`` float32. The lanes from ``lane0`` hold whole rows:
+    ``16 // heads`` rows in one tile, or one row over ``heads // 16`` tiles (its running sums stay in
+    registers from one tile to the next). Unweighted 2, 4 or 8 heads: each group of ``heads`` keys is
+    transposed within each row's lanes (:func:`_segment_transpose`), so the sums run on whole 16-lane
+    vectors (``16 // heads`` rows x ``heads`` keys) and each row's keys are stored at once. Otherwise
+    the 8 x 16 transpose (:func:`_block_columns`) of each tile makes each (row, head) an 8-key vector.
+    The caller keeps every index in bounds.
     """
-    if not (isinstance(heads, types.IntegerLiteral) and 0 < heads.literal_value <= VECTOR
-            and VECTOR % heads.literal_value == 0):
+    if not (isinstance(heads, types.IntegerLiteral) and heads.literal_value > 0
+            and (VECTOR % heads.literal_value == 0 or heads.literal_value % VECTOR == 0)):
         return None
     weighted = not isinstance(weights, (types.NoneType, types.Omitted))
     if not (_is_c_matrix(dots, types.float32) and _is_c_matrix(totals, types.float32)
@@ -504,11 +506,19 @@ def relu_head_sums_block(typingctx, dots, totals, key0, lane0, heads, weights, d
         if weighted:
             weights_arr = context.make_array(sig.args[5])(context, builder, args[5])
             weight_cols = builder.extract_value(weights_arr.shape, 1)
-        columns = _block_columns(builder, dots_arr.data, dots_cols, key0, lane0)
-        for i in range(VECTOR // row_heads):
+        tiles = {}
+
+        def column(lane):  # lane - lane0's 8 keys; each tile transposed once, when first needed
+            tile = lane // VECTOR
+            if tile not in tiles:
+                tiles[tile] = _block_columns(builder, dots_arr.data, dots_cols, key0,
+                                             builder.add(lane0, ir.Constant(index, tile * VECTOR)))
+            return tiles[tile][lane % VECTOR]
+
+        for i in range(max(1, VECTOR // row_heads)):
             total = None
             for h in range(row_heads):
-                term = _relu(builder, columns[i * row_heads + h], zero)
+                term = _relu(builder, column(i * row_heads + h), zero)
                 if weighted:
                     row = builder.add(first_row, ir.Constant(index, i))
                     weight = builder.load(builder.gep(weights_arr.data, [

@@ -177,7 +177,7 @@ def _dots_in_place_overload(dots, q_t, flat, row_starts, n, dim, lanes):
     return in_place
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, inline="always")
 def dots_of_rows(dots, q_t, rows, lanes, scratch):
     """``dots[i, l] = rows[i] . q_t[:, l]`` for ``i < n``, ``l < lanes``; may write up to
     ``KEYS_PER_TILE - 1`` more rows of ``dots``, never reads past ``rows``.
