@@ -207,17 +207,21 @@ GATHER_AHEAD = 8
 CACHE_LINE = 64
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def prefetch_span(flat, start, count):
+    """Ask for the cache lines of ``flat[start : start + count]`` (1-d; never faults)."""
+    for offset in range(0, count, max(1, CACHE_LINE // flat.itemsize)):
+        prefetch_element(flat, start + offset)
+
+
 @numba.njit(cache=True, nogil=True)
 def gather_rows(target, flat, row_starts, n, dim):
     """``target[i, :dim]`` = ``flat[row_starts[i] : row_starts[i] + dim]`` in ``target``'s layout
     (:func:`put_key_row`) for ``i < n``, while prefetching row ``i + GATHER_AHEAD`` (while
     ``row_starts`` has it: pass the rows after ``n`` too). ``row_starts`` int64, 1-d."""
-    line = max(1, CACHE_LINE // flat.itemsize)
     for i in range(n):
         if i + GATHER_AHEAD < row_starts.shape[0]:
-            ahead = row_starts[i + GATHER_AHEAD]
-            for offset in range(0, dim, line):
-                prefetch_element(flat, ahead + offset)
+            prefetch_span(flat, row_starts[i + GATHER_AHEAD], dim)
         start = row_starts[i]
         put_key_row(target, i, flat[start : start + dim])
 
