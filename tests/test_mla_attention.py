@@ -100,7 +100,7 @@ def test_cpu_bits_do_not_depend_on_threads_head_chunks_or_batch(monkeypatch):
     want_out, want_lse = run_kernel(cpu_mla.mla_sparse_attention_paged, case)
     for threads, heads_per_task in ((1, 16), (2, 32), (2, 37)):
         monkeypatch.setattr(cpu_attend, "threads_for", lambda work, n=threads: numba_threads(n))
-        monkeypatch.setattr(cpu_attend, "heads_per_task", lambda total_q, kv_heads, group, h=heads_per_task: h)
+        monkeypatch.setattr(cpu_attend, "heads_per_task", lambda total_q, kv_heads, group, threads, h=heads_per_task: h)
         out, lse = run_kernel(cpu_mla.mla_sparse_attention_paged, case)
         assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
     offsets = case["offsets"].tolist()

@@ -1,5 +1,5 @@
-"""Paged rows as the CPU kernels of several families read them: the cache as one flat array, each row's
-sequence, and the flat starts of selected tokens (numba, on host arrays)."""
+"""Paged rows as the CPU kernels of several families read them: the cache as one flat array and the flat
+starts of selected tokens (numba, on host arrays)."""
 
 from __future__ import annotations
 
@@ -15,26 +15,21 @@ def flat_plane(blocks: torch.Tensor, plane: int, layer: int) -> tuple[np.ndarray
     """``blocks``' memory as one flat array, its page stride, and where (plane, layer) starts in a page.
 
     Element (page, row, head, channel) of that plane and layer is
-    ``flat[page*page_stride + base + (row*heads + head)*D + channel]``. A flat
-    array lets LLVM vectorise the channel loops, which it cannot do through a
-    strided 6-d view whose innermost stride is only known at run time.
+    ``flat[page*page_stride + base + (row*heads + head)*D + channel]``; the
+    same element of plane ``plane + k`` is ``k * plane_span(blocks)`` further.
+    A flat array lets LLVM vectorise the channel loops, which it cannot do
+    through a strided 6-d view whose innermost stride is only known at run time.
     """
     pages, kv, layers, page_size, heads, dim = blocks.shape
-    span = (pages - 1) * blocks.stride(0) + kv * layers * page_size * heads * dim
+    span = (pages - 1) * blocks.stride(0) + kv * plane_span(blocks)
     flat = blocks.as_strided((span,), (1,))
-    return as_numba(flat), blocks.stride(0), (plane * layers + layer) * page_size * heads * dim
+    return as_numba(flat), blocks.stride(0), plane * plane_span(blocks) + layer * page_size * heads * dim
 
 
-@numba.njit(cache=True, nogil=True)
-def sequence_of_rows(offsets):
-    """``[total_q]`` sequence id of every row of ``[B+1]`` row offsets (a loop, not a torch op:
-    torch's parallel ops would fight numba's threads for the cores on small inputs)."""
-    batch = offsets.shape[0] - 1
-    seq_of_row = np.empty(offsets[batch], np.int64)
-    for b in range(batch):
-        for r in range(offsets[b], offsets[b + 1]):
-            seq_of_row[r] = b
-    return seq_of_row
+def plane_span(blocks: torch.Tensor) -> int:
+    """Elements of one plane (every layer) in a page of ``blocks [pages, KV, layers, page_size, heads, D]``."""
+    _, _, layers, page_size, heads, dim = blocks.shape
+    return layers * page_size * heads * dim
 
 
 @numba.njit(cache=True, nogil=True, inline="always")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numba
+import numpy as np
 
 from ..reference.qsa import counted_entry_error
 
@@ -29,27 +30,41 @@ def first_missing_page(table, num_pages, page_size, entry_counts):
 
 
 @numba.njit(cache=True, nogil=True)
-def _first_bad_entry(table, num_pages, page_size, indices, counts, seq_of_row):
-    """(row, entry) of the first counted position that is negative or has no valid page; (-1, -1) if none."""
-    for r in range(indices.shape[0]):
-        b = seq_of_row[r]
-        for i in range(min(counts[r], indices.shape[1])):
-            position = indices[r, i]
-            if position < 0 or position // page_size >= table.shape[1]:
-                return r, i
-            page = table[b, position // page_size]
-            if page < 0 or page >= num_pages:
-                return r, i
-    return -1, -1
+def _scan_counted_entries(table, num_pages, page_size, indices, counts, offsets):
+    """One pass over every row's counted entries: ``(seq_of_row, bad_row, bad_entry, counted, most_rows)``.
 
-
-def check_counted_entries(lookup_table, num_pages, page_size, indices, counts, seq_of_row):
-    """Raise the reference's :func:`counted_entry_error` for the first counted entry (row by row) that is
-    negative or has no valid page, in one pass without temporaries.
-
-    ``lookup_table [B, max_pages]``, ``indices [total_q, W]``, ``counts [total_q]``: int32 CPU tensors;
-    ``seq_of_row [total_q]`` int64 array (:func:`._paged_rows.sequence_of_rows`).
+    ``seq_of_row [total_q]`` int64 is each row's sequence; ``(bad_row, bad_entry)`` the first counted
+    position (row by row) that is negative or has no valid page, ``(-1, -1)`` if none; ``counted`` the
+    entries counted in all (``counts`` clipped to ``[0, W]``); ``most_rows`` the most rows of one sequence.
     """
-    r, i = _first_bad_entry(lookup_table.numpy(), num_pages, page_size, indices.numpy(), counts.numpy(), seq_of_row)
+    batch = offsets.shape[0] - 1
+    seq_of_row = np.empty(offsets[batch], np.int64)
+    counted = 0
+    most_rows = 0
+    for b in range(batch):
+        most_rows = max(most_rows, offsets[b + 1] - offsets[b])
+        for r in range(offsets[b], offsets[b + 1]):
+            seq_of_row[r] = b
+            count = max(min(counts[r], indices.shape[1]), 0)
+            counted += count
+            for i in range(count):
+                position = indices[r, i]
+                if position < 0 or position // page_size >= table.shape[1]:
+                    return seq_of_row, r, i, counted, most_rows
+                page = table[b, position // page_size]
+                if page < 0 or page >= num_pages:
+                    return seq_of_row, r, i, counted, most_rows
+    return seq_of_row, -1, -1, counted, most_rows
+
+
+def plan_counted_rows(lookup_table, num_pages, page_size, indices, counts, input_row_offsets):
+    """``(seq_of_row, counted, most_rows)`` of :func:`_scan_counted_entries`, after checking every counted
+    entry in the same pass: the first (row by row) that is negative or has no valid page raises the
+    reference's :func:`counted_entry_error`. All int32 CPU tensors: ``lookup_table [B, max_pages]``,
+    ``indices [total_q, W]``, ``counts [total_q]``, ``input_row_offsets [B+1]``.
+    """
+    seq_of_row, r, i, counted, most_rows = _scan_counted_entries(
+        lookup_table.numpy(), num_pages, page_size, indices.numpy(), counts.numpy(), input_row_offsets.numpy())
     if r >= 0:
         raise counted_entry_error(lookup_table, num_pages, page_size, indices, counts, r, i, int(seq_of_row[r]))
+    return seq_of_row, counted, most_rows
