@@ -20,10 +20,10 @@ def flat_plane(blocks: torch.Tensor, plane: int, layer: int) -> tuple[np.ndarray
     A flat array lets LLVM vectorise the channel loops, which it cannot do
     through a strided 6-d view whose innermost stride is only known at run time.
     """
-    pages, kv, layers, page_size, heads, dim = blocks.shape
-    span = (pages - 1) * blocks.stride(0) + kv * plane_span(blocks)
-    flat = blocks.as_strided((span,), (1,))
-    return as_numba(flat), blocks.stride(0), plane * plane_span(blocks) + layer * page_size * heads * dim
+    pages, kv, _, page_size, heads, dim = blocks.shape
+    one_plane = plane_span(blocks)
+    flat = blocks.as_strided(((pages - 1) * blocks.stride(0) + kv * one_plane,), (1,))
+    return as_numba(flat), blocks.stride(0), plane * one_plane + layer * page_size * heads * dim
 
 
 def plane_span(blocks: torch.Tensor) -> int:

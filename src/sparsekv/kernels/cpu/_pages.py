@@ -8,6 +8,13 @@ import numpy as np
 from ..reference.qsa import counted_entry_error
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _page_missing(table, b, logical, num_pages):
+    """Whether sequence ``b``'s logical page ``logical >= 0`` has no page: past the table's columns, or an
+    id that is negative (the sentinel) or ``>= num_pages``."""
+    return logical >= table.shape[1] or table[b, logical] < 0 or table[b, logical] >= num_pages
+
+
 @numba.njit(cache=True, nogil=True)
 def first_missing_page(table, num_pages, page_size, entry_counts):
     """First page that entries ``0 .. entry_counts[b]-1`` of each sequence need and ``table`` lacks.
@@ -24,7 +31,7 @@ def first_missing_page(table, num_pages, page_size, entry_counts):
     """
     for b in range(entry_counts.shape[0]):
         for logical in range((entry_counts[b] + page_size - 1) // page_size):
-            if logical >= table.shape[1] or table[b, logical] < 0 or table[b, logical] >= num_pages:
+            if _page_missing(table, b, logical, num_pages):
                 return b, logical * page_size
     return -1, -1
 
@@ -49,10 +56,7 @@ def _scan_counted_entries(table, num_pages, page_size, indices, counts, offsets)
             counted += count
             for i in range(count):
                 position = indices[r, i]
-                if position < 0 or position // page_size >= table.shape[1]:
-                    return seq_of_row, r, i, counted, most_rows
-                page = table[b, position // page_size]
-                if page < 0 or page >= num_pages:
+                if position < 0 or _page_missing(table, b, position // page_size, num_pages):
                     return seq_of_row, r, i, counted, most_rows
     return seq_of_row, -1, -1, counted, most_rows
 

@@ -7,7 +7,8 @@ iteration's task covers, :func:`row_group` which rows form a group, how many
 of the keys they need (:func:`keys_seen`) and their tile lanes;
 :func:`write_group_scores` is the epilogue both score kernels end with, the
 weighted ReLU sum over heads: in registers on the tiles where a row's heads
-divide the tile's 16 lanes, else :func:`relu_sums` over the transposed dots.
+divide the tile's 16 lanes or are 32 or 64, else :func:`relu_sums` over the
+transposed dots.
 """
 
 from __future__ import annotations
