@@ -204,9 +204,15 @@ def test_weighted_rows_sums_the_rows_in_order_per_head(heads, rows, bf16_values)
         products = weights[n, :computed, None].astype(np.float64) * widened[n]
         want[:computed] = (want[:computed] + products).astype(np.float32)
     before = acc.copy()
+    prefetching = acc.copy()
     weighted_rows(acc, weights, values, heads, rows)
     np.testing.assert_allclose(acc[:computed], want[:computed], rtol=2e-7, atol=1e-30)
     assert np.array_equal(acc[computed:], before[computed:]), "touched rows past the heads' tiles"
+    # prefetching other rows meanwhile (fewer starts than rows included) changes no bit
+    ahead = rng.standard_normal(4096).astype(np.float32)
+    ahead_starts = rng.integers(0, ahead.size - channels, max(rows - 2, 0)).astype(np.int64)
+    weighted_rows(prefetching, weights, values, heads, rows, ahead, ahead_starts)
+    assert np.array_equal(prefetching.view(np.int32), acc.view(np.int32))
 
 
 @pytest.mark.parametrize("keys, lanes", [(1, 16), (13, 32), (128, 48)])

@@ -10,8 +10,11 @@ Per task (a query row, one KV head, a chunk of that KV head's query heads):
   first), ``[keys x lanes]`` logits;
 * softmax per lane with the vectorised float32 :func:`._math.exp_f32`;
 * P.V with :func:`._tile_ops.weighted_rows` (tiles of 12, 8 or 4 lanes x 32
-  channels, keys in order) over the values, gathered ``KEYS_PER_TASK`` at a
-  time with a prefetch ahead; one division per output (times
+  channels, keys in order) over the values, gathered into scratch a batch
+  at a time; where the values lie apart from the keys (QSA), P.V on one
+  batch of ``VALUE_ROWS`` prefetches the next (a line per row per 32
+  channels), so their scattered rows arrive during the multiply-adds and
+  the gather copies them from cache; one division per output (times
   ``sigmoid(gate)`` for QSA's gated attention).
 
 Where the values lie is the caller's: QSA's in the value plane, MLA's in the
@@ -54,7 +57,7 @@ from ._pages import plan_counted_rows
 from ._paged_rows import flat_plane, plane_span, query_tile_of_heads, token_starts, zero_heads
 from ._parallel import PARALLEL_JIT, balanced_order, threads_for
 from ._tile_ir import KEYS_PER_TILE, VECTOR, WEIGHTED_CHANNELS
-from ._tile_ops import (KEYS_PER_TASK, dots_of_gathered_rows, gather_rows, new_query_tiles, new_scratch,
+from ._tile_ops import (VALUE_ROWS, dots_of_gathered_rows, gather_rows, new_query_tiles, new_scratch,
                         new_value_scratch, put_query, weighted_rows)
 
 GROUPS_PER_TASK = 8  # groups of rows sharing a tile per task, at most (several KV heads)
@@ -67,11 +70,11 @@ def attend_positions(q_t, positions, table_row, cache, page_stride, key_base, va
     at ``positions`` of one sequence: Q.K where the keys lie, the softmax per lane (``selected [count,
     lanes]``: only the keys each lane counts, :func:`._math.scaled_softmax_of_members`; ``None``: every key),
     then P.V over the first ``v_dim`` channels of the rows ``value_shift`` elements after the keys,
-    ``KEYS_PER_TASK`` gathered at a time with a prefetch ahead. Returns the unnormalised ``acc [lanes,
-    padded_v]`` and the lanes' ``row_max`` and ``denom``."""
+    gathered a batch at a time (values apart from the keys: the next batch prefetched during P.V). Returns the
+    unnormalised ``acc [lanes, padded_v]`` and the lanes' ``row_max`` and ``denom``."""
     count, lanes = positions.shape[0], q_t.shape[1]
     logits = np.empty((count + KEYS_PER_TILE, lanes), np.float32)
-    starts = np.empty(count + 2 * KEYS_PER_TILE, np.int64)
+    starts = np.empty(count + VALUE_ROWS + 2 * KEYS_PER_TILE, np.int64)
     token_starts(starts, positions, table_row, page_size, page_stride, key_base, kv_heads, kv_head, dim)
     dots_of_gathered_rows(logits, q_t, cache, starts, count, dim, lanes, new_scratch(cache, dim))
     if selected is None:
@@ -81,10 +84,15 @@ def attend_positions(q_t, positions, table_row, cache, page_stride, key_base, va
     acc = np.zeros((lanes, padded_v), np.float32)
     values = new_value_scratch(cache, v_dim, padded_v)  # bf16 stays bits; padding channels 0
     starts += value_shift
-    for n0 in range(0, count, KEYS_PER_TASK):
-        rows = min(KEYS_PER_TASK, count - n0)
+    # Values apart from the keys (QSA's value plane) come from memory: P.V on one batch prefetches the next.
+    # MLA's values are the latent rows Q.K has just read: no prefetch, and larger batches.
+    apart = value_shift != 0
+    batch = VALUE_ROWS if apart else 2 * VALUE_ROWS
+    for n0 in range(0, count, batch):
+        rows = min(batch, count - n0)
         gather_rows(values, cache, starts[n0:], rows, v_dim)
-        weighted_rows(acc, logits[n0:], values, lanes_used, rows)
+        weighted_rows(acc, logits[n0:], values, lanes_used, rows, cache,
+                      starts[n0 + batch : n0 + batch + (batch if apart else 0)])
     return acc, row_max, denom
 
 

@@ -109,6 +109,7 @@ def _splat(builder, value, kind):
 
 
 PREFETCH_KEEP_EVERYWHERE = 3
+CACHE_LINE = 64  # bytes
 """``llvm.prefetch`` locality: 0 (use once, keep in no cache) .. 3 (keep in every cache level)."""
 
 
@@ -263,19 +264,28 @@ WEIGHTED_CHANNELS = 2 * VECTOR
 
 
 def _make_weighted_rows_tile(heads: int):
-    """An intrinsic ``tile(acc, weights, rows, head0, chan0, num_rows)`` for ``heads`` heads x 32 channels:
-    ``acc[head0 + k, chan0 : chan0 + 32] += sum_n weights[n, head0 + k] * rows[n, chan0 : chan0 + 32]``
-    for ``k < heads``, one fused multiply-add per row ``n = 0, 1, ...`` in order, the accumulators in
-    registers. 2-d C arrays, float32 (``rows`` may be bf16 bits, ``uint16``); the caller keeps every
-    index in bounds."""
+    """An intrinsic ``tile(acc, weights, rows, head0, chan0, num_rows, ahead, ahead_starts)`` for ``heads``
+    heads x 32 channels: ``acc[head0 + k, chan0 : chan0 + 32] += sum_n weights[n, head0 + k] * rows[n, chan0
+    : chan0 + 32]`` for ``k < heads``, one fused multiply-add per row ``n = 0, 1, ...`` in order, the
+    accumulators in registers. 2-d C arrays, float32 (``rows`` may be bf16 bits, ``uint16``); the caller
+    keeps every index in bounds.
+
+    With a 1-d array ``ahead`` and int64 ``ahead_starts`` (``None`` for neither), row ``n``'s step also
+    prefetches the same 32 channels of the row at ``ahead[ahead_starts[n]]`` (never faults; ``ahead_starts``
+    has ``num_rows`` entries or more): rows the caller reads next, whose trip from memory then overlaps
+    these multiply-adds."""
 
     @intrinsic
-    def tile(typingctx, acc, weights, rows, head0, chan0, num_rows):
+    def tile(typingctx, acc, weights, rows, head0, chan0, num_rows, ahead, ahead_starts, ahead_rows):
         if not (_is_c_matrix(acc, types.float32) and _is_c_matrix(weights, types.float32)
                 and (_is_c_matrix(rows, types.float32) or _is_c_matrix(rows, types.uint16))):
             return None
+        prefetching = isinstance(ahead_starts, types.Array)
+        if prefetching and not (isinstance(ahead, types.Array) and ahead.ndim == 1 and ahead_starts.ndim == 1
+                                and ahead_starts.dtype == types.int64):
+            return None
         bf16_rows = rows.dtype == types.uint16
-        signature = types.void(acc, weights, rows, types.intp, types.intp, types.intp)
+        signature = types.void(acc, weights, rows, types.intp, types.intp, types.intp, ahead, ahead_starts, types.intp)
 
         def codegen(context, builder, sig, args):
             acc_arr, weights_arr, rows_arr = (context.make_array(t)(context, builder, a)
@@ -310,6 +320,15 @@ def _make_weighted_rows_tile(heads: int):
             for k in range(heads):
                 for v in range(2):
                     accumulators[k][v].add_incoming(initial[k][v], entry)
+            if prefetching:
+                ahead_data = context.make_array(sig.args[6])(context, builder, args[6]).data
+                starts_data = context.make_array(sig.args[7])(context, builder, args[7]).data
+                with builder.if_then(builder.icmp_signed("<", n, args[8]), likely=True):
+                    ahead_row = builder.add(builder.load(builder.gep(starts_data, [n])), chan0)
+                    per_line = CACHE_LINE // context.get_abi_sizeof(context.get_data_type(sig.args[6].dtype))
+                    for line in range(0, WEIGHTED_CHANNELS, per_line):
+                        _prefetch(builder, builder.gep(ahead_data, [builder.add(ahead_row, constant(line))]),
+                                  write=False, locality=PREFETCH_KEEP_EVERYWHERE)
             row_start = builder.add(builder.mul(n, row_cols), chan0)
             if bf16_rows:  # widened in registers: the bf16 bits shifted into the high half
                 halves = ir.VectorType(ir.IntType(16), VECTOR)
