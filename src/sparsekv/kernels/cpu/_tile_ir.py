@@ -109,8 +109,8 @@ def _splat(builder, value, kind):
 
 
 PREFETCH_KEEP_EVERYWHERE = 3
-CACHE_LINE = 64  # bytes
 """``llvm.prefetch`` locality: 0 (use once, keep in no cache) .. 3 (keep in every cache level)."""
+CACHE_LINE = 64  # bytes
 
 
 def _prefetch(builder, address, *, write: bool, locality: int) -> None:
@@ -264,16 +264,16 @@ WEIGHTED_CHANNELS = 2 * VECTOR
 
 
 def _make_weighted_rows_tile(heads: int):
-    """An intrinsic ``tile(acc, weights, rows, head0, chan0, num_rows, ahead, ahead_starts)`` for ``heads``
-    heads x 32 channels: ``acc[head0 + k, chan0 : chan0 + 32] += sum_n weights[n, head0 + k] * rows[n, chan0
-    : chan0 + 32]`` for ``k < heads``, one fused multiply-add per row ``n = 0, 1, ...`` in order, the
-    accumulators in registers. 2-d C arrays, float32 (``rows`` may be bf16 bits, ``uint16``); the caller
-    keeps every index in bounds.
+    """An intrinsic ``tile(acc, weights, rows, head0, chan0, num_rows, ahead, ahead_starts, ahead_rows)`` for
+    ``heads`` heads x 32 channels: ``acc[head0 + k, chan0 : chan0 + 32] += sum_n weights[n, head0 + k] *
+    rows[n, chan0 : chan0 + 32]`` for ``k < heads``, one fused multiply-add per row ``n = 0, 1, ...`` in
+    order, the accumulators in registers. 2-d C arrays, float32 (``rows`` may be bf16 bits, ``uint16``);
+    the caller keeps every index in bounds.
 
-    With a 1-d array ``ahead`` and int64 ``ahead_starts`` (``None`` for neither), row ``n``'s step also
-    prefetches the same 32 channels of the row at ``ahead[ahead_starts[n]]`` (never faults; ``ahead_starts``
-    has ``num_rows`` entries or more): rows the caller reads next, whose trip from memory then overlaps
-    these multiply-adds."""
+    With a 1-d array ``ahead`` and int64 ``ahead_starts`` (``None`` for neither), the step of each row
+    ``n < ahead_rows`` also prefetches the same 32 channels of the row at ``ahead[ahead_starts[n]]`` (never
+    faults; ``ahead_starts`` has ``ahead_rows`` entries or more): rows the caller reads next, whose trip
+    from memory then overlaps these multiply-adds."""
 
     @intrinsic
     def tile(typingctx, acc, weights, rows, head0, chan0, num_rows, ahead, ahead_starts, ahead_rows):
@@ -285,7 +285,8 @@ def _make_weighted_rows_tile(heads: int):
                                 and ahead_starts.dtype == types.int64):
             return None
         bf16_rows = rows.dtype == types.uint16
-        signature = types.void(acc, weights, rows, types.intp, types.intp, types.intp, ahead, ahead_starts, types.intp)
+        signature = types.void(acc, weights, rows, types.intp, types.intp, types.intp, ahead, ahead_starts,
+                               types.intp)
 
         def codegen(context, builder, sig, args):
             acc_arr, weights_arr, rows_arr = (context.make_array(t)(context, builder, a)

@@ -33,8 +33,8 @@ from numba import types
 from numba.extending import overload
 
 from ._bits import widen
-from ._tile_ir import (CACHE_LINE, KEYS_PER_TILE, SQUARE_SUM_ROWS, VECTOR, WEIGHTED_CHANNELS, add_block_squares, dot_tile,
-                       prefetch_element, transpose_block, weighted_rows_tile_4, weighted_rows_tile_8,
+from ._tile_ir import (CACHE_LINE, KEYS_PER_TILE, SQUARE_SUM_ROWS, VECTOR, WEIGHTED_CHANNELS, add_block_squares,
+                       dot_tile, prefetch_element, transpose_block, weighted_rows_tile_4, weighted_rows_tile_8,
                        weighted_rows_tile_12)
 
 KEYS_PER_TASK = 128
@@ -68,15 +68,13 @@ def weighted_rows(acc, weights, rows, heads, num_rows, ahead=None, ahead_starts=
         step = 12 if left >= 12 else (8 if left > 4 else 4)  # e.g. 12 heads in one pass over the rows
         for chan0 in range(0, acc.shape[1], WEIGHTED_CHANNELS):
             if step == 12:
-                weighted_rows_tile_12(acc, weights, rows, head0, chan0, num_rows, ahead, ahead_starts,
-                                      ahead_rows if head0 == 0 else 0)
+                weighted_rows_tile_12(acc, weights, rows, head0, chan0, num_rows, ahead, ahead_starts, ahead_rows)
             elif step == 8:
-                weighted_rows_tile_8(acc, weights, rows, head0, chan0, num_rows, ahead, ahead_starts,
-                                      ahead_rows if head0 == 0 else 0)
+                weighted_rows_tile_8(acc, weights, rows, head0, chan0, num_rows, ahead, ahead_starts, ahead_rows)
             else:
-                weighted_rows_tile_4(acc, weights, rows, head0, chan0, num_rows, ahead, ahead_starts,
-                                      ahead_rows if head0 == 0 else 0)
+                weighted_rows_tile_4(acc, weights, rows, head0, chan0, num_rows, ahead, ahead_starts, ahead_rows)
         head0 += step
+        ahead_rows = 0  # the rows' first pass has asked for them
 
 
 @numba.njit(cache=True, nogil=True)
