@@ -265,13 +265,19 @@ def _relu_sum_chain(dots, weights, divisor):
 
 @pytest.mark.parametrize("heads", [1, 2, 3, 4, 8, 16, 32, 48, 64])
 @pytest.mark.parametrize("weighted", [False, True])
-def test_group_scores_are_the_relu_sum_chain_in_registers_or_not(heads, weighted):
+@pytest.mark.parametrize("every_key_seen", [False, True], ids=["partly-seen", "all-seen"])
+def test_group_scores_are_the_relu_sum_chain_in_registers_or_not(heads, weighted, every_key_seen):
     """A row group's scores, for head counts summed on the tiles in registers (1, 2, 4, 8, 16; 32 and 64
-    over several tiles) and ones that are transposed first (3, 48), unit or random weights: every seen
-    key's total equals the in-order chain bit for bit (NaN, -0 and negative weights included), and
-    nothing else of ``scores`` changes."""
+    over several tiles) and ones that are transposed first (3, 48), unit or random weights, rows that see
+    part of the chunk and a padding row, or rows that fill the lanes and see it all (up to 16 heads the
+    tiles then write the scores themselves): every seen key's total equals the in-order chain bit for bit
+    (NaN, -0 and negative weights included), and nothing else of ``scores`` changes."""
     rng = np.random.default_rng(10 * heads + weighted)
-    rows, key0, chunk, divisor = max(3, 32 // heads) - 1, 24, 45, np.float32(11.3)  # a padding row when possible
+    if every_key_seen:
+        rows, key0, chunk = max(1, VECTOR // heads), 24, 48
+    else:
+        rows, key0, chunk = max(3, 32 // heads) - 1, 24, 45  # a padding row when possible
+    divisor = np.float32(11.3)
     lanes = -(-rows * heads // VECTOR) * VECTOR
     rounded = -(-chunk // KEYS_PER_TILE) * KEYS_PER_TILE
     dots = rng.standard_normal((rounded, lanes)) * np.exp(rng.uniform(-8, 8, (rounded, lanes)))
@@ -279,8 +285,9 @@ def test_group_scores_are_the_relu_sum_chain_in_registers_or_not(heads, weighted
     dots[0, 0], dots[3, heads - 1], dots[5, :] = np.nan, -0.0, -0.0
     r0 = 2
     visible = np.full(r0 + rows, key0 + chunk, np.int64)
-    visible[r0] = key0 + 7  # sees 7 of the chunk's keys
-    visible[r0 + rows - 1] = key0 - 1  # sees none of them
+    if not every_key_seen:
+        visible[r0] = key0 + 7  # sees 7 of the chunk's keys
+        visible[r0 + rows - 1] = key0 - 1  # sees none of them
     weights = rng.standard_normal((lanes // heads + 1, heads)).astype(np.float32) if weighted else None
     scores = rng.standard_normal((r0 + rows + 1, key0 + chunk + 5)).astype(np.float32)
     before = scores.copy()

@@ -462,12 +462,12 @@ def _relu(builder, x, zero):
 
 
 @intrinsic(prefer_literal=True)
-def relu_head_sums_block(typingctx, dots, totals, key0, lane0, heads, weights, divisor):
+def relu_head_sums_block(typingctx, dots, totals, key0, lane0, heads, weights, divisor, column0):
     """The score epilogue of one tile, in registers, for a head count ``heads`` (a literal dividing 16 or a
-    multiple of 16): ``totals[lane0 // heads + i, key0 + k] = (sum_h w_h * relu(dots[key0 + k, lane0 +
-    i*heads + h])) / divisor`` for ``k < 8``, ``i < max(1, 16 // heads)``, each sum in head order ``h = 0
-    .. heads-1``: the same operations in the same order as :func:`._score_tasks.relu_sums`, whose bits it
-    reproduces.
+    multiple of 16): ``totals[lane0 // heads + i, column0 + key0 + k] = (sum_h w_h * relu(dots[key0 + k,
+    lane0 + i*heads + h])) / divisor`` for ``k < 8``, ``i < max(1, 16 // heads)``, each sum in head order
+    ``h = 0 .. heads-1``: the same operations in the same order as :func:`._score_tasks.relu_sums`, whose
+    bits it reproduces.
 
     ``weights`` ``None`` (every weight 1: neither the multiplies nor the leading ``0 +`` change a bit of
     a ReLU's result, so neither is emitted) or float32 ``[rows, heads]`` C (row ``lane0 // heads + i``);
@@ -490,7 +490,7 @@ def relu_head_sums_block(typingctx, dots, totals, key0, lane0, heads, weights, d
 
     def codegen(context, builder, sig, args):
         dots_arr, totals_arr = (context.make_array(t)(context, builder, a) for t, a in zip(sig.args[:2], args[:2]))
-        key0, lane0, divisor_value = args[2], args[3], args[6]
+        key0, lane0, divisor_value, column0 = args[2], args[3], args[6], args[7]
         index = ir.IntType(64)
         totals_cols = builder.extract_value(totals_arr.shape, 1)
         dots_cols = builder.extract_value(dots_arr.shape, 1)
@@ -498,7 +498,7 @@ def relu_head_sums_block(typingctx, dots, totals, key0, lane0, heads, weights, d
 
         def store(values, row, key):  # a vector of consecutive keys of one row of totals
             start = builder.add(builder.mul(builder.add(first_row, ir.Constant(index, row)), totals_cols),
-                                builder.add(key0, ir.Constant(index, key)))
+                                builder.add(builder.add(column0, key0), ir.Constant(index, key)))
             builder.store(values, _vector_at(builder, totals_arr.data, start, values.type), align=4)
 
         if not weighted and row_heads in (2, 4, 8):
@@ -550,7 +550,7 @@ def relu_head_sums_block(typingctx, dots, totals, key0, lane0, heads, weights, d
             store(builder.fdiv(total, spread_divisor), i, 0)
         return context.get_dummy_value()
 
-    return types.void(dots, totals, types.intp, types.intp, heads, weights, divisor), codegen
+    return types.void(dots, totals, types.intp, types.intp, heads, weights, divisor, types.intp), codegen
 
 
 SQUARE_SUM_ROWS = 2 * KEYS_PER_TILE
