@@ -74,7 +74,7 @@ def attend_positions(q_t, positions, table_row, cache, page_stride, key_base, va
     unnormalised ``acc [lanes, padded_v]`` and the lanes' ``row_max`` and ``denom``."""
     count, lanes = positions.shape[0], q_t.shape[1]
     logits = np.empty((count + KEYS_PER_TILE, lanes), np.float32)
-    starts = np.empty(count + VALUE_ROWS + 2 * KEYS_PER_TILE, np.int64)
+    starts = np.empty(count + 2 * KEYS_PER_TILE, np.int64)
     token_starts(starts, positions, table_row, page_size, page_stride, key_base, kv_heads, kv_head, dim)
     dots_of_gathered_rows(logits, q_t, cache, starts, count, dim, lanes, new_scratch(cache, dim))
     if selected is None:
@@ -91,6 +91,7 @@ def attend_positions(q_t, positions, table_row, cache, page_stride, key_base, va
     for n0 in range(0, count, batch):
         rows = min(batch, count - n0)
         gather_rows(values, cache, starts[n0:], rows, v_dim)
+        # the next batch's starts (fewer near the end: the slice stops at the array's end; none for MLA)
         weighted_rows(acc, logits[n0:], values, lanes_used, rows, cache,
                       starts[n0 + batch : n0 + batch + (batch if apart else 0)])
     return acc, row_max, denom
