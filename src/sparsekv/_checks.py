@@ -73,9 +73,10 @@ def check_int(name: str, value: object, *, minimum: int | None = None) -> int:
 
     Returns it as a Python int. ``2.7`` or ``3.0`` is a ``TypeError``, never truncated.
     """
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
-    value = int(value)
+    if type(value) is not int:  # the common case skips the abstract-class check (~0.2 us)
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
+        value = int(value)
     if minimum is not None and value < minimum:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
     return value
@@ -84,9 +85,10 @@ def check_int(name: str, value: object, *, minimum: int | None = None) -> int:
 def check_float(name: str, value: object, *, minimum: float | None = None, positive: bool = False) -> float:
     """Check that ``value`` is a finite real number (bools refused), ``> 0`` when ``positive``,
     ``>= minimum`` when given. Returns it as a Python float."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name}: expected a float, got {type(value).__name__} {value!r}")
-    value = float(value)
+    if type(value) is not float:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{name}: expected a float, got {type(value).__name__} {value!r}")
+        value = float(value)
     if not math.isfinite(value) or (positive and value <= 0) or (minimum is not None and value < minimum):
         want = "a finite float" + (" > 0" if positive else "") + (f" >= {minimum}" if minimum is not None else "")
         raise ValueError(f"{name}: expected {want}, got {value}")
@@ -135,13 +137,18 @@ def as_index_tensor(name: str, value: torch.Tensor, *, ndim: int) -> torch.Tenso
     return torch.where(out_of_range, torch.full_like(wide, -1), wide).to(torch.int32)
 
 
+def _on_device(t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+    """``t`` on ``device`` (itself when it is there already or ``device`` is None)."""
+    return t if device is None or t.device == device else t.to(device)
+
+
 def host_array(t: torch.Tensor) -> np.ndarray:
     """``t``'s values as a numpy array: a view for CPU tensors, a host copy (a sync) for device tensors.
 
     Value checks read through numpy: the same checks without a torch op's
     overhead (several microseconds each) per check.
     """
-    return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
+    return t.numpy() if t.is_cpu else t.cpu().numpy()
 
 
 @numba.njit(cache=True, nogil=True)
@@ -164,15 +171,16 @@ def _first_negative(values):
 
 
 def check_offsets(name: str, offsets: torch.Tensor, *, batch: int | None = None, total: int | None = None,
-                  total_of: str = "rows") -> torch.Tensor:
+                  total_of: str = "rows", device: torch.device | None = None) -> torch.Tensor:
     """Check a ``[B+1]`` row-offset vector: integer, starts at 0, non-decreasing, ends at ``total``.
 
     ``batch``: the expected ``B``; ``total``: the expected last offset, with
     ``total_of`` naming what it counts (``"q rows"``). Shape and dtype are
     always checked; the values only where :func:`host_checks` says (a host
-    read, a sync for device tensors). Returns the offsets as int32.
+    read, a sync for device tensors). Returns the offsets as int32, on
+    ``device`` when given.
     """
-    offsets = as_index_tensor(name, offsets, ndim=1)
+    offsets = _on_device(as_index_tensor(name, offsets, ndim=1), device)
     if batch is not None and offsets.shape[0] != batch + 1:
         raise ValueError(f"{name}: expected shape ({batch + 1},) = batch + 1, got {tuple(offsets.shape)}")
     if offsets.shape[0] < 1:
@@ -189,12 +197,13 @@ def check_offsets(name: str, offsets: torch.Tensor, *, batch: int | None = None,
     return offsets
 
 
-def check_nonnegative(name: str, lengths: torch.Tensor, *, batch: int | None = None) -> torch.Tensor:
+def check_nonnegative(name: str, lengths: torch.Tensor, *, batch: int | None = None,
+                      device: torch.device | None = None) -> torch.Tensor:
     """Check a ``[B]`` vector of counts or positions (cache lengths, key counts, query positions): integer, ``>= 0``.
 
-    Values are read where :func:`host_checks` says. Returns it as int32.
+    Values are read where :func:`host_checks` says. Returns it as int32, on ``device`` when given.
     """
-    lengths = as_index_tensor(name, lengths, ndim=1)
+    lengths = _on_device(as_index_tensor(name, lengths, ndim=1), device)
     if batch is not None and lengths.shape[0] != batch:
         raise ValueError(f"{name}: expected shape ({batch},) = batch, got {tuple(lengths.shape)}")
     if host_checks(lengths.device) and lengths.numel():

@@ -10,14 +10,14 @@ import numba
 import numpy as np
 import torch
 
-from .._checks import check_offsets, check_tensor, host_array
+from .._checks import check_offsets, host_array
 
 
 def check_row_offsets(offsets: torch.Tensor, batch: int, total_rows: int, device: torch.device) -> torch.Tensor:
     """``input_row_offsets``: ``[batch + 1]`` non-decreasing from 0 to ``total_rows`` (the q rows), as int32
     on ``device``; ``ValueError``/``TypeError`` naming it otherwise."""
-    check_tensor("input_row_offsets", offsets, ndim=1)
-    return check_offsets("input_row_offsets", offsets.to(device), batch=batch, total=total_rows, total_of="q rows")
+    return check_offsets("input_row_offsets", offsets, batch=batch, total=total_rows, total_of="q rows",
+                         device=device)
 
 
 @numba.njit(cache=True, nogil=True)

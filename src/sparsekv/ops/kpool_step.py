@@ -71,8 +71,7 @@ def _plan_pooled_store(pooled_collection: PagedKVCacheCollection, layer_idx: int
     if pc.num_heads != 1:
         raise ValueError(f"pooled_collection: expected one head, got {pc.num_heads}")
     dim = pc.head_size
-    cache_lengths = check_nonnegative("cache_lengths", as_index_tensor("cache_lengths", cache_lengths, ndim=1)
-                                      .to(pc.device))
+    cache_lengths = check_nonnegative("cache_lengths", cache_lengths, device=pc.device)
     batch = cache_lengths.shape[0]
     if batch != pc.batch_size:
         raise ValueError(f"cache_lengths: expected {pc.batch_size} entries (the pooled cache's batch), got {batch}")

@@ -142,7 +142,7 @@ def qsa_compress_keys_paged(
     eps = check_float("eps", eps, minimum=0.0)
     check_tensor("gamma", gamma, ndim=1, dtypes=FLOAT_DTYPES, device=c.device)
     check_tensor("freqs_cis", freqs_cis, ndim=2, dtypes=FLOAT_DTYPES, device=c.device)
-    key_counts = check_nonnegative("key_counts", as_index_tensor("key_counts", key_counts, ndim=1).to(c.device))
+    key_counts = check_nonnegative("key_counts", key_counts, device=c.device)
     batch = key_counts.shape[0]
     if batch == 0:
         raise ValueError("key_counts: empty batch (0 sequences); expected at least one")
@@ -240,10 +240,9 @@ def qsa_block_score(
         raise ValueError(f"block_keys: {block_keys.shape[0]} rows is not a multiple of the batch size {batch}")
     max_blocks = block_keys.shape[0] // batch
     offsets = check_row_offsets(input_row_offsets, batch, total_q, q.device)
-    positions = as_index_tensor("query_positions", query_positions, ndim=1).to(q.device)
+    positions = check_nonnegative("query_positions", query_positions, device=q.device)
     if positions.shape[0] != total_q:
         raise ValueError(f"query_positions: expected shape ({total_q},) = q rows, got {tuple(positions.shape)}")
-    check_nonnegative("query_positions", positions)
     if out is not None:
         check_tensor("out (scores)", out, ndim=2, dtypes=(torch.float32,), device=q.device)
         if out_cols is not None and out.shape[1] != out_cols:

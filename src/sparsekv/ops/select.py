@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-from .._checks import as_index_tensor, check_bool, check_int, check_nonnegative, check_tensor
+from .._checks import check_bool, check_int, check_nonnegative, check_tensor
 from ._registry import kernel, out_op
 
 
@@ -74,10 +74,9 @@ def select_blocks_expand(
     check_bool("include_tail", include_tail)
     check_tensor("scores", scores, ndim=2, dtypes=(torch.float32,))
     total_q = scores.shape[0]
-    positions = as_index_tensor("query_positions", query_positions, ndim=1).to(scores.device)
+    positions = check_nonnegative("query_positions", query_positions, device=scores.device)
     if positions.shape[0] != total_q:
         raise ValueError(f"query_positions: expected shape ({total_q},) = scores rows, got {tuple(positions.shape)}")
-    check_nonnegative("query_positions", positions)
     width = budget + ratio - 1
     if out is None:
         indices = torch.empty(total_q, width, dtype=torch.int32, device=scores.device)

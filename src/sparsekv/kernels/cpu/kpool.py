@@ -352,7 +352,8 @@ def mla_kpool_score(scores, q, head_weights, pooled_blocks, lookup_table, query_
     if num_pages == 0:  # validated above: no row sees a pool
         cache, page_stride = pooled_blocks.new_empty(0), 0
     else:
-        if not pooled_blocks[0].is_contiguous():  # pages may be strided, not their insides
+        # pages may be strided, not their insides (the whole tensor is asked first: indexing a page costs ~1 us)
+        if not (pooled_blocks.is_contiguous() or pooled_blocks[0].is_contiguous()):
             pooled_blocks = pooled_blocks.contiguous()
         page_stride = pooled_blocks.stride(0)
         span = (num_pages - 1) * page_stride + planes * layers * per_page * dim
