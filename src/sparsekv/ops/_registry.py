@@ -80,7 +80,7 @@ def _dispatch_needed(args: tuple) -> bool:
     ``nn.Parameter`` (a layer's weight) is a plain tensor here."""
     if torch.compiler.is_compiling():
         return True
-    for a in args:  # a plain loop: the generator over ``any`` cost twice as much (~1 us a call)
+    for a in args:  # a plain loop: ``any`` over a generator cost 1.0 us for seven arguments, this 0.76
         if type(a) in _PLAIN_TENSOR_TYPES:
             if a.requires_grad or a.is_meta:
                 return True
