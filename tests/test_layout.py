@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numba
 import pytest
 import torch
 from hypothesis import given
@@ -9,6 +10,9 @@ from hypothesis import strategies as st
 
 from sparsekv import SENTINEL, UINT32_SENTINEL, PagedKVCacheCollection, paged_store
 from sparsekv.cache.layout import packed_page_elements
+from sparsekv.kernels.cpu import _parallel as parallel
+from sparsekv.kernels.cpu import cache as cpu_cache
+from sparsekv.kernels.reference import cache as ref_cache
 
 
 def make_collection(*, num_pages, kv, layers, page_size, heads, head_size, cache_lengths, pad=0,
@@ -110,6 +114,65 @@ def test_view_store_is_storage_only_and_writes_what_the_op_writes(monkeypatch, p
         paged_store(op_coll, values, offsets, layer_idx=1, plane=plane)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@given(lengths=st.lists(st.tuples(st.integers(0, 13), st.integers(0, 9)), min_size=1, max_size=5),
+       pad=st.sampled_from([0, 5]), layer=st.integers(0, 1), plane=st.integers(0, 1), heads=st.integers(1, 3),
+       head_size=st.integers(1, 7), page_size=st.sampled_from([1, 3, 4]), seed=st.integers(0, 2**31 - 1))
+def test_cpu_store_kernel_writes_what_the_reference_writes(dtype, lengths, pad, layer, plane, heads, head_size,
+                                                           page_size, seed):
+    """The CPU backend's store against the reference's on the same buffer, every element compared (the
+    padding between pages included)."""
+    cache_lengths, new = [c for c, _ in lengths], [n for _, n in lengths]
+    pages_needed = sum(-(-(c + max(new)) // page_size) for c in cache_lengths)
+    coll, flat, _ = make_collection(num_pages=pages_needed + 2, kv=2, layers=2, page_size=page_size, heads=heads,
+                                    head_size=head_size, cache_lengths=cache_lengths, pad=pad, dtype=dtype,
+                                    seed=seed, max_seq_length=max(new))
+    offsets = torch.tensor([0] + new).cumsum(0).to(torch.int32)
+    values = torch.randn(int(offsets[-1]), heads, head_size, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    expected_flat = flat.clone()
+    expected = expected_flat.as_strided(coll.blocks.shape, coll.blocks.stride(), 3)
+    ref_cache.paged_store(expected, values, coll.lookup_table, coll.cache_lengths, offsets, plane, layer)
+    cpu_cache.paged_store(coll.blocks, values, coll.lookup_table, coll.cache_lengths, offsets, plane, layer)
+    assert torch.equal(flat.view(torch.uint8), expected_flat.view(torch.uint8))
+
+
+def test_cpu_store_kernel_on_several_threads(monkeypatch, seed):
+    """A store large enough for every thread (the threshold lowered, the contention policy told the cores
+    are free) writes what the reference writes."""
+    monkeypatch.setattr(parallel, "PARALLEL_MIN_WORK", 1)
+    monkeypatch.setattr(parallel.CONTENTION, "allow_parallel", lambda now, threads=2: True)
+    given_threads = []
+
+    class RecordedThreads(parallel.numba_threads):
+        def __enter__(self):
+            given_threads.append(super().__enter__())
+            return given_threads[-1]
+
+    monkeypatch.setattr(parallel, "threads_for", lambda work: RecordedThreads(work))
+    coll, flat, _ = make_collection(num_pages=40, kv=2, layers=1, page_size=4, heads=2, head_size=5,
+                                    cache_lengths=[3, 0, 9], pad=3, seed=seed, max_seq_length=37)
+    offsets = torch.tensor([0, 37, 38, 61], dtype=torch.int32)
+    values = torch.randn(61, 2, 5)
+    expected_flat = flat.clone()
+    ref_cache.paged_store(expected_flat.as_strided(coll.blocks.shape, coll.blocks.stride(), 3), values,
+                          coll.lookup_table, coll.cache_lengths, offsets, 1, 0)
+    paged_store(coll, values, offsets, layer_idx=0, plane=1)
+    assert given_threads == [numba.get_num_threads()]
+    assert torch.equal(flat, expected_flat)
+
+
+@pytest.mark.parametrize("bad_page", [SENTINEL, 9, 1000])
+def test_store_op_through_missing_page_raises_and_writes_nothing(bad_page):
+    """The op (the CPU backend here) validates every destination before its first write."""
+    coll, flat, _ = make_collection(num_pages=9, kv=2, layers=1, page_size=4, heads=1, head_size=2,
+                                    cache_lengths=[3, 6], max_seq_length=2)
+    coll.lookup_table[1, 1] = bad_page  # sequence 1's positions 4..7
+    before = flat.clone()
+    with pytest.raises(ValueError, match="sequence 1, position 6"):
+        paged_store(coll, torch.ones(4, 1, 2), torch.tensor([0, 2, 4], dtype=torch.int32), layer_idx=0, plane=1)
+    assert torch.equal(flat, before)
+
+
 @pytest.mark.parametrize("bad_page", [SENTINEL, 9, 1000])
 def test_store_through_missing_page_raises_and_writes_nothing(bad_page):
     coll, flat, _ = make_collection(num_pages=9, kv=2, layers=1, page_size=4, heads=1, head_size=2,
@@ -147,6 +210,10 @@ def test_int64_values_beyond_int32_are_reported_as_passed():
     blocks = torch.zeros(2, 1, 1, 2, 1, 2)
     with pytest.raises(ValueError, match=r"lookup_table: .*fit in int32.*got 4294967296 at index \[0, 0\]"):
         PagedKVCacheCollection(blocks, torch.tensor([1]), torch.tensor([[2**32]]), 0, 1)
+    strided = torch.zeros(3, 2, dtype=torch.int64).t()  # [2, 3], not contiguous
+    strided[1, 2] = -(2**31) - 1
+    with pytest.raises(ValueError, match=r"lookup_table: .*fit in int32.*got -2147483649 at index \[1, 2\]"):
+        PagedKVCacheCollection(blocks, torch.tensor([1, 1]), strided, 0, 1)
     with pytest.raises(ValueError, match=r"cache_lengths: .*fit in int32.*got 1099511627776 at index 1"):
         PagedKVCacheCollection(blocks, torch.tensor([3, 2**40]), torch.zeros(2, 1, dtype=torch.int64), 0, 1)
     with pytest.raises(ValueError, match=r"cache_lengths: .*fit in int32.*got 3000000000 at index 0"):

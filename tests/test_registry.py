@@ -13,8 +13,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import sparsekv.kernels
 from sparsekv import PagedKVCacheCollection
 from sparsekv._env import requested_backend
+from sparsekv.kernels.cpu import cache as cpu_cache
 from sparsekv.kernels.cpu import kpool as cpu_kpool
-from sparsekv.kernels.reference import cache as ref_cache
 from sparsekv.kernels.reference import kpool as ref_kpool
 from sparsekv.kernels.reference import select as ref_select
 from sparsekv.ops import _registry
@@ -81,8 +81,8 @@ def test_forced_reference_backend_runs_the_reference(monkeypatch):
 
 
 def test_a_backend_falls_back_to_the_reference_for_the_ops_it_lacks():
-    assert load_kernel("cpu", "cache", "paged_store") is ref_cache.paged_store
     assert load_kernel("cpu", "kpool", "mla_kpool_seed_tail") is ref_kpool.mla_kpool_seed_tail
+    assert load_kernel("cpu", "cache", "paged_store") is cpu_cache.paged_store
     assert load_kernel("cpu", "kpool", "mla_kpool_compress") is cpu_kpool.mla_kpool_compress
     with pytest.raises(LookupError, match="defines no 'no_such_op'"):
         load_kernel("cpu", "kpool", "no_such_op")

@@ -28,11 +28,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-import numpy as np
 import torch
 
 from .._checks import (KEY_DTYPES, as_index_tensor, check_int, check_nonnegative, check_offsets, check_tensor,
-                       host_array)
+                       host_array, most_rows)
 from .._env import host_checks
 
 #: Sentinel for an unassigned page in an int32 lookup table.
@@ -336,17 +335,14 @@ class PagedKVCacheCollection:
         check_tensor("values", values, shape=(None, self.num_heads, self.head_size), dtypes=(self.dtype,),
                      device=self.device)
         check_tensor("input_row_offsets", input_row_offsets, shape=(self.batch_size + 1,))
-        offsets = input_row_offsets.to(self.device)
         if not check_values:
-            return offsets.to(torch.int32)
-        offsets = check_offsets("input_row_offsets", offsets, batch=self.batch_size, total=values.shape[0],
-                                total_of="rows of values")
-        if self.batch_size:
-            rows = np.diff(host_array(offsets))
-            if int(rows.max()) > self.max_seq_length:
-                b = int(rows.argmax())
-                raise ValueError(f"input_row_offsets: sequence {b} stores {int(rows[b])} rows, more than the "
-                                 f"collection's max_seq_length = {self.max_seq_length}")
+            return input_row_offsets.to(self.device).to(torch.int32)
+        offsets = check_offsets("input_row_offsets", input_row_offsets, batch=self.batch_size, total=values.shape[0],
+                                total_of="rows of values", device=self.device)
+        b, rows = most_rows(host_array(offsets))
+        if rows > self.max_seq_length:
+            raise ValueError(f"input_row_offsets: sequence {b} stores {rows} rows, more than the "
+                             f"collection's max_seq_length = {self.max_seq_length}")
         return offsets
 
     def cache_length(self, batch_idx: int) -> int:

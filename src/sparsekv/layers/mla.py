@@ -63,6 +63,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..cache.layout import PagedKVCacheCollection
+from ..ops.cache import paged_store
 from ..ops.mla import mla_sparse_attention_paged
 from ..ops.qsa import qsa_sparse_attention_paged
 from .config import MlaConfig
@@ -225,7 +226,7 @@ class MlaSparseAttention(nn.Module):
                 k_rope = apply_rope(k_rope, cos, sin, "interleave")
             latent = torch.cat([latent_c, k_rope], dim=-1)
         with timer("cache.store"):
-            latent_cache.get_key_cache(cache_layer).store(latent[:, None, :], offsets)
+            paged_store(latent_cache, latent[:, None, :], offsets, layer_idx=cache_layer, plane=0)
         indexed = None
         if self.indexer is not None:
             indexed = self.indexer(hidden_states, q_latent, input_row_offsets=offsets, cache_lengths=cache_lengths,

@@ -131,9 +131,9 @@ def load_kernel(backend: str, family: str, name: str) -> Callable:
 
     A backend lacks an op when its family module does not exist or does not
     define the name. Any other import failure (a broken module, a missing
-    dependency of it) propagates. Example: ``load_kernel("cpu", "cache",
-    "paged_store")`` is the reference ``paged_store`` (a store is a scatter
-    of whole rows, already memory-bound in vectorised torch).
+    dependency of it) propagates. Example: ``load_kernel("cpu", "kpool",
+    "mla_kpool_seed_tail")`` is the reference ``mla_kpool_seed_tail`` (the
+    CPU backend's ``kpool`` module does not define it).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")

@@ -20,7 +20,6 @@ def paged_store(
 
     Every destination is validated before the first write (nothing is written
     when one page is missing): the storage's own address math,
-    :func:`sparsekv.cache.layout.store_rows`. The CPU backend runs this too
-    (a store is a scatter of whole rows, memory-bound in vectorised torch).
+    :func:`sparsekv.cache.layout.store_rows`.
     """
     store_rows(blocks, values, lookup_table, cache_lengths, input_row_offsets, plane, layer)
