@@ -150,7 +150,7 @@ def test_ring_close_skips_aligned_and_short_requests(backend):
     assert torch.equal(closed[3], k[5])  # "last": position 3 is this call's row 5
 
 
-#: The seed tail of each backend as the op registry picks it (the CPU backend runs the reference's).
+#: The seed tail of each backend as the op registry picks it.
 SEED_TAILS = {backend: load_kernel(backend, "kpool", "mla_kpool_seed_tail") for backend in ("reference", "cpu")}
 
 

@@ -29,6 +29,8 @@ def test_plain_tensors_skip_the_dispatcher_and_everything_else_takes_it():
     plain = torch.zeros(3)
     assert not _dispatch_needed((plain, 4, 2.0, None))
     assert _dispatch_needed((plain, torch.zeros(3, requires_grad=True)))
+    with torch.no_grad():  # inference: a weight that requires grad records nothing
+        assert not _dispatch_needed((plain, torch.nn.Parameter(torch.zeros(3))))
     assert _dispatch_needed((plain, torch.empty(3, device="meta")))
     with FakeTensorMode() as mode:
         fake = mode.from_tensor(plain)
@@ -80,8 +82,13 @@ def test_forced_reference_backend_runs_the_reference(monkeypatch):
     assert choose_backend(torch.device("cpu")) == "cpu"
 
 
-def test_a_backend_falls_back_to_the_reference_for_the_ops_it_lacks():
-    assert load_kernel("cpu", "kpool", "mla_kpool_seed_tail") is ref_kpool.mla_kpool_seed_tail
+def test_a_backend_falls_back_to_the_reference_for_the_ops_it_lacks(monkeypatch):
+    monkeypatch.delattr(cpu_kpool, "mla_kpool_seed_tail")
+    load_kernel.cache_clear()
+    try:
+        assert load_kernel("cpu", "kpool", "mla_kpool_seed_tail") is ref_kpool.mla_kpool_seed_tail
+    finally:
+        load_kernel.cache_clear()  # the attribute comes back after the test
     assert load_kernel("cpu", "cache", "paged_store") is cpu_cache.paged_store
     assert load_kernel("cpu", "kpool", "mla_kpool_compress") is cpu_kpool.mla_kpool_compress
     with pytest.raises(LookupError, match="defines no 'no_such_op'"):

@@ -35,6 +35,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numba
+import numpy as np
 import torch
 
 from .._checks import (KEY_DTYPES, as_index_tensor, check_bool, check_instance, check_int, check_nonnegative,
@@ -165,12 +167,31 @@ def _check_ring(ring: torch.Tensor, slot_ids: torch.Tensor, k: torch.Tensor, kpo
     if slot_ids.shape[0] != batch:
         raise ValueError(f"slot_ids: expected shape ({batch},) = batch, got {tuple(slot_ids.shape)}")
     if host_checks(k.device) and batch:
-        if bool(((slot_ids < 0) | (slot_ids >= ring.shape[0])).any()):
+        problem = _slot_problem(host_array(slot_ids), ring.shape[0])
+        if problem == _SLOT_OUTSIDE:
             raise ValueError(f"slot_ids: expected values in [0, {ring.shape[0]}) (ring slots), "
                              f"got {slot_ids.tolist()}")
-        if torch.unique(slot_ids).shape[0] != batch:
+        if problem == _SLOT_REPEATED:
             raise ValueError(f"slot_ids: expected distinct slots within a batch, got {slot_ids.tolist()}")
     return slot_ids.contiguous()
+
+
+_SLOT_OUTSIDE, _SLOT_REPEATED = 1, 2
+
+
+@numba.njit(cache=True, nogil=True)
+def _slot_problem(slots, max_slots):
+    """``_SLOT_OUTSIDE`` if a slot lies outside ``[0, max_slots)``, else ``_SLOT_REPEATED`` if one repeats, else
+    0 (one scan; the torch comparisons and ``torch.unique`` it replaces took ~40 us)."""
+    for slot in slots:
+        if slot < 0 or slot >= max_slots:
+            return _SLOT_OUTSIDE
+    seen = np.zeros(max_slots, np.bool_)
+    for slot in slots:
+        if seen[slot]:
+            return _SLOT_REPEATED
+        seen[slot] = True
+    return 0
 
 
 # ---------------------------------------------------------------------------

@@ -56,13 +56,15 @@ def store_pooled_keys(pooled_collection: PagedKVCacheCollection, layer_idx: int,
     """
     plan = _plan_pooled_store(pooled_collection, layer_idx, closed, closed_ids, pooled, pool_row_offsets,
                               cache_lengths, kpool)
-    paged_store(plan.view, plan.values, plan.entry_offsets, layer_idx=layer_idx, plane=0)
+    if plan is not None:
+        paged_store(plan.view, plan.values, plan.entry_offsets, layer_idx=layer_idx, plane=0)
 
 
 def _plan_pooled_store(pooled_collection: PagedKVCacheCollection, layer_idx: int, closed: torch.Tensor,
                        closed_ids: torch.Tensor, pooled: torch.Tensor, pool_row_offsets: torch.Tensor,
-                       cache_lengths: torch.Tensor, kpool: int) -> _PooledStore:
-    """Validate a :func:`store_pooled_keys` call, destination pages included, and return what it writes."""
+                       cache_lengths: torch.Tensor, kpool: int) -> _PooledStore | None:
+    """Validate a :func:`store_pooled_keys` call, destination pages included, and return what it writes
+    (``None`` when no pool closes or completes: most decode steps)."""
     check_int("kpool", kpool, minimum=1)
     if not isinstance(pooled_collection, PagedKVCacheCollection):
         raise TypeError(f"pooled_collection: expected a PagedKVCacheCollection, got "
@@ -91,6 +93,8 @@ def _plan_pooled_store(pooled_collection: PagedKVCacheCollection, layer_idx: int
     if bool((has_closed & (closed_ids.to(torch.int64) != first_pool)).any()):
         raise ValueError(f"closed_ids: expected floor(cache_lengths / kpool) = {first_pool.tolist()} "
                          f"or -1, got {closed_ids.tolist()}")
+    if pooled.shape[0] == 0 and not bool(has_closed.any()):
+        return None
 
     # Entries per sequence: the closed pool (0 or 1), then its compressed pools.
     compressed = (pool_row_offsets[1:] - pool_row_offsets[:-1]).to(torch.int64)
@@ -164,5 +168,6 @@ def kpool_indexer_step(ring: torch.Tensor, slot_ids: torch.Tensor, k: torch.Tens
                                cache_lengths, kpool)
     # Past this point nothing raises: ring close checked the seed tail's arguments, the plan the store's.
     mla_kpool_seed_tail(ring, slot_ids, k, gate, input_row_offsets, cache_lengths, kpool=kpool)
-    paged_store(store.view, store.values, store.entry_offsets, layer_idx=layer_idx, plane=0)
+    if store is not None:
+        paged_store(store.view, store.values, store.entry_offsets, layer_idx=layer_idx, plane=0)
     return KPoolStep(closed, closed_ids, pooled, pool_row_offsets)

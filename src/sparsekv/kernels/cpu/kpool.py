@@ -207,6 +207,30 @@ def _first_member_rows(offsets, pool_offsets, cached, kpool):
     return starts
 
 
+@numba.njit(cache=True, nogil=True)
+def _seed_tail_kernel(ring, slots, k, gate, offsets, cached, kpool):
+    """Row ``r`` of sequence ``b`` at position ``p = cached[b] + r - offsets[b] >= max(floor((c+n)/kpool)*kpool,
+    c)`` to ``ring[slots[b], 0 / 1, p % kpool] = k[r] / gate[r]`` (16-bit values as bits)."""
+    for b in range(offsets.shape[0] - 1):
+        c, n = np.int64(cached[b]), np.int64(offsets[b + 1] - offsets[b])
+        for position in range(max((c + n) // kpool * kpool, c), c + n):
+            row = offsets[b] + position - c
+            member = position % kpool
+            key_target, gate_target = ring[slots[b], 0, member], ring[slots[b], 1, member]
+            for d in range(k.shape[1]):
+                key_target[d] = k[row, d]
+                gate_target[d] = gate[row, d]
+
+
+def mla_kpool_seed_tail(ring, slot_ids, k, gate, input_row_offsets, cache_lengths, kpool):
+    """See :func:`sparsekv.kernels.reference.kpool.mla_kpool_seed_tail`: one numba pass over the rows (the
+    reference's dozen torch ops took about 0.1 ms of a decode step)."""
+    if kpool == 1 or k.shape[0] == 0:
+        return
+    _seed_tail_kernel(as_numba(ring), slot_ids.numpy(), as_numba(k.contiguous()), as_numba(gate.contiguous()),
+                      input_row_offsets.numpy(), cache_lengths.numpy(), kpool)
+
+
 def mla_kpool_compress(pooled, k, gate, ape, input_row_offsets, pool_row_offsets, cache_lengths, kpool, mode):
     """See :func:`sparsekv.kernels.reference.kpool.mla_kpool_compress`."""
     if pooled.shape[0] == 0:
@@ -216,37 +240,64 @@ def mla_kpool_compress(pooled, k, gate, ape, input_row_offsets, pool_row_offsets
     _pool_rows(pooled, k, gate, ape, torch.from_numpy(starts), mode)
 
 
+@numba.njit(cache=True, nogil=True)
+def _closing_sequences(offsets, cached, kpool):
+    """The sequences whose open pool this call completes (``c % kpool != 0`` and ``n >= kpool - c % kpool``),
+    int64, in order."""
+    closing = np.empty(offsets.shape[0] - 1, np.int64)
+    count = 0
+    for b in range(offsets.shape[0] - 1):
+        held = cached[b] % kpool
+        if held and offsets[b + 1] - offsets[b] >= kpool - held:
+            closing[count] = b
+            count += 1
+    return closing[:count]
+
+
+@numba.njit(cache=True, nogil=True)
+def _closing_members(members_k, members_gate, ring, slots, k, gate, offsets, cached, closing, kpool):
+    """Rows ``i*kpool .. i*kpool + kpool - 1`` of ``members_k``/``members_gate``: the members of the pool that
+    sequence ``closing[i]`` closes, the ring's first (``c % kpool`` of them), then this call's first rows."""
+    for i in range(closing.shape[0]):
+        b = closing[i]
+        held = cached[b] % kpool
+        for m in range(kpool):
+            key_target, gate_target = members_k[i * kpool + m], members_gate[i * kpool + m]
+            if m < held:
+                key_source, gate_source = ring[slots[b], 0, m], ring[slots[b], 1, m]
+            else:
+                key_source, gate_source = k[offsets[b] - held + m], gate[offsets[b] - held + m]
+            for d in range(key_target.shape[0]):
+                key_target[d] = key_source[d]
+                gate_target[d] = gate_source[d]
+
+
 def mla_kpool_ring_close(closed, closed_ids, ring, slot_ids, k, gate, ape, input_row_offsets, cache_lengths,
                          kpool, mode):
     """See :func:`sparsekv.kernels.reference.kpool.mla_kpool_ring_close`.
 
-    Gathers each closing pool's members (ring part, then this call's rows) into
-    ``[S*kpool, D]`` and runs the same pool kernel as compress on them.
+    Finds the closing sequences in one numba scan (a decode step closes a pool
+    in one call of ``kpool``: the others end there), gathers each closing pool's
+    members (ring part, then this call's rows) into ``[S*kpool, D]`` and runs
+    the same pool kernel as compress on them.
     """
     closed.zero_()
     closed_ids.fill_(-1)
     if cache_lengths.shape[0] == 0 or kpool == 1:
         return
-    offsets = input_row_offsets.to(torch.int64)
-    cached = cache_lengths.to(torch.int64)
-    align = (kpool - cached % kpool) % kpool
-    seqs = torch.nonzero((align > 0) & (offsets[1:] - offsets[:-1] >= align)).flatten()
-    if seqs.numel() == 0:
+    offsets, cached = input_row_offsets.numpy(), cache_lengths.numpy()
+    closing = _closing_sequences(offsets, cached, kpool)
+    if closing.shape[0] == 0:
         return
-    member = torch.arange(kpool)
-    from_ring = member[None, :] < (cached[seqs] % kpool)[:, None]
-    rows = (offsets[seqs] - cached[seqs] % kpool)[:, None] + member[None, :]
-    rows = torch.where(from_ring, torch.zeros_like(rows), rows)
-    slots = slot_ids.to(torch.int64)[seqs]
-    mask = from_ring[:, :, None]
-    members_k = torch.where(mask, ring[slots, 0], k[rows]).reshape(-1, k.shape[1])
-    members_gate = torch.where(mask, ring[slots, 1], gate[rows]).reshape(-1, k.shape[1])
-    result = torch.empty(seqs.shape[0], k.shape[1], dtype=k.dtype)
-    _pool_rows(result, members_k, members_gate, ape, torch.arange(seqs.shape[0]) * kpool, mode)
+    members_k = k.new_empty(closing.shape[0] * kpool, k.shape[1])
+    members_gate = torch.empty_like(members_k)
+    _closing_members(as_numba(members_k), as_numba(members_gate), as_numba(ring), slot_ids.numpy(),
+                     as_numba(k.contiguous()), as_numba(gate.contiguous()), offsets, cached, closing, kpool)
+    seqs = torch.from_numpy(closing)
+    result = k.new_empty(closing.shape[0], k.shape[1])
+    _pool_rows(result, members_k, members_gate, ape, torch.arange(closing.shape[0]) * kpool, mode)
     closed[seqs] = result
-    closed_ids[seqs] = torch.div(cached[seqs], kpool, rounding_mode="floor").to(closed_ids.dtype)
-
-
+    closed_ids[seqs] = torch.from_numpy(cached[closing] // kpool).to(closed_ids.dtype)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -367,4 +418,4 @@ def mla_kpool_score(scores, q, head_weights, pooled_blocks, lookup_table, query_
         scores.copy_(target)
 
 
-__all__ = ["mla_kpool_compress", "mla_kpool_ring_close", "mla_kpool_score"]
+__all__ = ["mla_kpool_compress", "mla_kpool_ring_close", "mla_kpool_score", "mla_kpool_seed_tail"]
