@@ -161,27 +161,20 @@ def test_cpu_store_kernel_on_several_threads(monkeypatch, seed):
     assert torch.equal(flat, expected_flat)
 
 
+@pytest.mark.parametrize("through", ["op", "storage"])
 @pytest.mark.parametrize("bad_page", [SENTINEL, 9, 1000])
-def test_store_op_through_missing_page_raises_and_writes_nothing(bad_page):
-    """The op (the CPU backend here) validates every destination before its first write."""
+def test_store_through_missing_page_raises_and_writes_nothing(bad_page, through):
+    """The op (the CPU backend here) and the storage's own store validate every destination first."""
     coll, flat, _ = make_collection(num_pages=9, kv=2, layers=1, page_size=4, heads=1, head_size=2,
                                     cache_lengths=[3, 6], max_seq_length=2)
     coll.lookup_table[1, 1] = bad_page  # sequence 1's positions 4..7
     before = flat.clone()
+    values, offsets = torch.ones(4, 1, 2), torch.tensor([0, 2, 4], dtype=torch.int32)
     with pytest.raises(ValueError, match="sequence 1, position 6"):
-        paged_store(coll, torch.ones(4, 1, 2), torch.tensor([0, 2, 4], dtype=torch.int32), layer_idx=0, plane=1)
-    assert torch.equal(flat, before)
-
-
-@pytest.mark.parametrize("bad_page", [SENTINEL, 9, 1000])
-def test_store_through_missing_page_raises_and_writes_nothing(bad_page):
-    coll, flat, _ = make_collection(num_pages=9, kv=2, layers=1, page_size=4, heads=1, head_size=2,
-                                    cache_lengths=[3, 6], max_seq_length=2)
-    coll.lookup_table[1, 1] = bad_page  # sequence 1's positions 4..7
-    before = flat.clone()
-    values = torch.ones(4, 1, 2)
-    with pytest.raises(ValueError, match="sequence 1, position 6"):
-        coll.get_key_cache(0).store(values, torch.tensor([0, 2, 4], dtype=torch.int32))
+        if through == "op":
+            paged_store(coll, values, offsets, layer_idx=0, plane=0)
+        else:
+            coll.get_key_cache(0).store(values, offsets)
     assert torch.equal(flat, before)
 
 
