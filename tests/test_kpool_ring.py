@@ -278,6 +278,18 @@ def test_indexer_step_that_raises_leaves_ring_and_cache_as_they_were(problem):
     assert not torch.equal(blocks, blocks_before)  # the retry did store pools 1 and 2
 
 
+def test_a_step_that_stores_nothing_still_checks_its_layer():
+    args, blocks, table, kpool = _step_case()
+    # one token each after one cached token: no pool closes or completes, so no store runs
+    args = {**args, "k": args["k"][:2], "gate": args["gate"][:2], "input_row_offsets": torch.tensor([0, 1, 2]),
+            "cache_lengths": torch.tensor([1, 1])}
+    ring_before = args["ring"].clone()
+    with pytest.raises(ValueError, match="layer_idx"):
+        _run_step(args, blocks, table, kpool, 2)  # the pooled cache has layers 0 and 1
+    assert torch.equal(args["ring"], ring_before)
+    assert _run_step(args, blocks, table, kpool, 1).closed_ids.tolist() == [-1, -1]
+
+
 # ---------------------------------------------------------------------------
 # errors and fake impls
 # ---------------------------------------------------------------------------

