@@ -246,7 +246,7 @@ class PagedKVCacheCollection:
         self.blocks = blocks
         self.page_stride = actual_stride
         self.cache_lengths = check_nonnegative("cache_lengths", cache_lengths, device=blocks.device)
-        self.lookup_table = as_index_tensor("lookup_table", lookup_table, ndim=2).to(blocks.device)
+        self.lookup_table = as_index_tensor("lookup_table", lookup_table, ndim=2, device=blocks.device)
         if self.lookup_table.shape[0] != self.batch_size:
             raise ValueError(f"lookup_table: expected {self.batch_size} rows (batch size from cache_lengths), "
                              f"got {self.lookup_table.shape[0]}")

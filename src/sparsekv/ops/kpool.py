@@ -163,7 +163,7 @@ def _check_ring(ring: torch.Tensor, slot_ids: torch.Tensor, k: torch.Tensor, kpo
         raise TypeError(f"ring: expected k's dtype {k.dtype}, got {ring.dtype}")
     if not ring.is_contiguous():
         raise ValueError("ring: expected a contiguous tensor (it is updated in place)")
-    slot_ids = as_index_tensor("slot_ids", slot_ids, ndim=1).to(k.device)
+    slot_ids = as_index_tensor("slot_ids", slot_ids, ndim=1, device=k.device)
     if slot_ids.shape[0] != batch:
         raise ValueError(f"slot_ids: expected shape ({batch},) = batch, got {tuple(slot_ids.shape)}")
     if host_checks(k.device) and batch:
@@ -256,7 +256,7 @@ def mla_kpool_compress(k: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, i
         pool_offsets = expected
     else:
         check_tensor("pool_row_offsets", pool_row_offsets, shape=(cache_lengths.shape[0] + 1,))
-        pool_offsets = as_index_tensor("pool_row_offsets", pool_row_offsets, ndim=1).to(k.device)
+        pool_offsets = as_index_tensor("pool_row_offsets", pool_row_offsets, ndim=1, device=k.device)
         if host_checks(k.device) and not torch.equal(pool_offsets, expected):
             raise ValueError(
                 f"pool_row_offsets: expected {expected.tolist()} (exclusive prefix sum of "

@@ -79,10 +79,10 @@ def _plan_pooled_store(pooled_collection: PagedKVCacheCollection, layer_idx: int
     if batch != pc.batch_size:
         raise ValueError(f"cache_lengths: expected {pc.batch_size} entries (the pooled cache's batch), got {batch}")
     check_tensor("closed", closed, shape=(batch, dim), dtypes=(pc.dtype,), device=pc.device)
-    closed_ids = as_index_tensor("closed_ids", closed_ids, ndim=1).to(pc.device)
+    closed_ids = as_index_tensor("closed_ids", closed_ids, ndim=1, device=pc.device)
     if closed_ids.shape[0] != batch:
         raise ValueError(f"closed_ids: expected shape ({batch},), got {tuple(closed_ids.shape)}")
-    pool_row_offsets = as_index_tensor("pool_row_offsets", pool_row_offsets, ndim=1).to(pc.device)
+    pool_row_offsets = as_index_tensor("pool_row_offsets", pool_row_offsets, ndim=1, device=pc.device)
     if pool_row_offsets.shape[0] != batch + 1:
         raise ValueError(f"pool_row_offsets: expected shape ({batch + 1},), got {tuple(pool_row_offsets.shape)}")
     check_tensor("pooled", pooled, shape=(None, dim), dtypes=(pc.dtype,), device=pc.device)

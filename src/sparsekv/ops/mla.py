@@ -117,8 +117,8 @@ def mla_sparse_attention_paged(
         raise ValueError(f"v_head_dim: expected <= the latent width {head_dim}, got {v_head_dim}")
     if out is not None:
         check_tensor("out", out, shape=(total_q, q_heads, v_head_dim), dtypes=(q.dtype,), device=c.device)
-    indices = as_index_tensor("indices", indices, ndim=2).to(c.device)
-    counts = as_index_tensor("counts", counts, ndim=1).to(c.device)
+    indices = as_index_tensor("indices", indices, ndim=2, device=c.device)
+    counts = as_index_tensor("counts", counts, ndim=1, device=c.device)
     if indices.shape[0] != total_q:
         raise ValueError(f"indices: expected {total_q} rows (q rows), got {indices.shape[0]}")
     if counts.shape[0] != total_q:

@@ -351,8 +351,8 @@ def qsa_sparse_attention_paged(
         raise ValueError(f"q: {q_heads} heads is not a multiple of the cache's {c.num_heads} KV heads")
     if gate is not None:
         check_tensor("gate", gate, shape=tuple(q.shape), dtypes=(q.dtype,), device=c.device)
-    indices = as_index_tensor("indices", indices, ndim=2).to(c.device)
-    counts = as_index_tensor("counts", counts, ndim=1).to(c.device)
+    indices = as_index_tensor("indices", indices, ndim=2, device=c.device)
+    counts = as_index_tensor("counts", counts, ndim=1, device=c.device)
     if indices.shape[0] != total_q:
         raise ValueError(f"indices: expected {total_q} rows (q rows), got {indices.shape[0]}")
     if counts.shape[0] != total_q:
