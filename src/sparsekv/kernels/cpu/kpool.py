@@ -51,7 +51,7 @@ from numba import types
 from numba.extending import overload
 
 from ..reference.kpool import score_page_error
-from ._bits import as_numba, narrow, widen
+from ._bits import as_numba, copy_row, narrow, widen
 from ._score_tasks import plan_score_tasks, row_group, score_task, write_group_scores
 from ._tile_ir import KEYS_PER_TILE
 from ._tile_ops import KEYS_PER_TASK, dots_of_rows, new_scratch, prefetch_span
@@ -216,10 +216,8 @@ def _seed_tail_kernel(ring, slots, k, gate, offsets, cached, kpool):
         for position in range(max((c + n) // kpool * kpool, c), c + n):
             row = offsets[b] + position - c
             member = position % kpool
-            key_target, gate_target = ring[slots[b], 0, member], ring[slots[b], 1, member]
-            for d in range(k.shape[1]):
-                key_target[d] = k[row, d]
-                gate_target[d] = gate[row, d]
+            copy_row(ring[slots[b], 0, member], k[row])
+            copy_row(ring[slots[b], 1, member], gate[row])
 
 
 def mla_kpool_seed_tail(ring, slot_ids, k, gate, input_row_offsets, cache_lengths, kpool):
@@ -262,14 +260,12 @@ def _closing_members(members_k, members_gate, ring, slots, k, gate, offsets, cac
         b = closing[i]
         held = cached[b] % kpool
         for m in range(kpool):
-            key_target, gate_target = members_k[i * kpool + m], members_gate[i * kpool + m]
             if m < held:
                 key_source, gate_source = ring[slots[b], 0, m], ring[slots[b], 1, m]
             else:
                 key_source, gate_source = k[offsets[b] - held + m], gate[offsets[b] - held + m]
-            for d in range(key_target.shape[0]):
-                key_target[d] = key_source[d]
-                gate_target[d] = gate_source[d]
+            copy_row(members_k[i * kpool + m], key_source)
+            copy_row(members_gate[i * kpool + m], gate_source)
 
 
 def mla_kpool_ring_close(closed, closed_ids, ring, slot_ids, k, gate, ape, input_row_offsets, cache_lengths,
