@@ -33,31 +33,39 @@ def _qsa_layer(dtype: torch.dtype, seed: int) -> QSAAttention:
     return layer
 
 
-def _qsa_manager(dtype: torch.dtype) -> PagedKVCacheManager:
-    return PagedKVCacheManager([CacheGroupSpec("main", 2, 1, QWEN.num_key_value_heads, QWEN.head_dim, dtype),
-                                CacheGroupSpec("index", 1, 1, 1, QWEN.indexer_head_dim, dtype)],
-                               page_size=PAGE, num_pages=64, enable_prefix_caching=False)
+def _qsa_manager(dtype: torch.dtype, *, blocks: bool = False, prefix_caching: bool = False) -> PagedKVCacheManager:
+    groups = [CacheGroupSpec("main", 2, 1, QWEN.num_key_value_heads, QWEN.head_dim, dtype),
+              CacheGroupSpec("index", 1, 1, 1, QWEN.indexer_head_dim, dtype)]
+    if blocks:
+        groups.append(CacheGroupSpec("index_blocks", 1, 1, 1, QWEN.indexer_head_dim, dtype,
+                                     tokens_per_entry=QWEN.indexer_compress_ratio))
+    return PagedKVCacheManager(groups, page_size=PAGE, num_pages=64, enable_prefix_caching=prefix_caching)
 
 
-def _run_qsa(layer, manager, schedule, hidden_by_rid, mode="sparse"):
-    """Run ``schedule`` (a list of steps, each a list of (rid, n)) and return each request's outputs and results."""
-    done = {rid: 0 for rid in hidden_by_rid}
+def _run_qsa(layer, manager, schedule, hidden_by_rid, mode="sparse", prompts=None):
+    """Run ``schedule`` (a list of steps, each a list of (rid, n)) and return each request's outputs and results.
+
+    With an ``"index_blocks"`` group in ``manager`` the layer keeps its block keys there. ``prompts`` (token ids
+    per request) are claimed as prompts (prefix hits skip their cached rows) and committed as the tokens.
+    ``mode``: one mode, or one per step."""
+    tokens = prompts or {rid: [0] * len(hidden) for rid, hidden in hidden_by_rid.items()}
+    done = {rid: manager.claim(rid, prompts[rid] if prompts else None) for rid in hidden_by_rid}
     outputs = {rid: [] for rid in hidden_by_rid}
     results = []
-    for rid in hidden_by_rid:
-        manager.claim(rid)
-    for step in schedule:
+    for i, step in enumerate(schedule):
         for rid, n in step:
             manager.allocate(rid, n)
         batch = manager.prepare([rid for rid, _ in step], [n for _, n in step])
         hidden = torch.cat([hidden_by_rid[rid][done[rid]:done[rid] + n] for rid, n in step])
+        block_cache = batch.collection("index_blocks") if "index_blocks" in batch.groups else None
         with torch.no_grad():
             result = layer(hidden, input_row_offsets=batch.input_row_offsets, kv_cache=batch.collection("main"),
-                           index_cache=batch.collection("index"), cache_layer=0, mode=mode)
+                           index_cache=batch.collection("index"), cache_layer=0,
+                           mode=mode if isinstance(mode, str) else mode[i], block_cache=block_cache)
         offsets = batch.input_row_offsets.tolist()
         for b, (rid, n) in enumerate(step):
             outputs[rid].append(result.output[offsets[b]:offsets[b + 1]])
-            manager.step(rid, [0] * n)
+            manager.step(rid, tokens[rid][done[rid]:done[rid] + n])
             done[rid] += n
         results.append(result)
     return {rid: torch.cat(chunks) for rid, chunks in outputs.items()}, results
@@ -133,6 +141,48 @@ def test_qsa_outputs_do_not_depend_on_the_schedule():
     chunked, _ = _run_qsa(layer, _qsa_manager(torch.float32), mixed, hidden)
     for rid in hidden:
         torch.testing.assert_close(chunked[rid], one_shot[rid], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_qsa_block_cache_gives_the_same_bits(dtype):
+    """A layer keeping its block keys in a block-key cache (pooled once, in the call that completes them)
+    returns what the layer pooling every block on every call returns, bit for bit: chunks ending mid-block,
+    a dense call in between, decode steps, two sequences at different lengths."""
+    layer = _qsa_layer(dtype, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    hidden = {"a": torch.randn(42, QWEN.hidden_size, generator=gen).to(dtype),
+              "b": torch.randn(30, QWEN.hidden_size, generator=gen).to(dtype)}
+    schedule = [[("a", 7)], [("a", 6), ("b", 3)], [("b", 14), ("a", 13)], [("a", 1), ("b", 1)],
+                [("a", 1), ("b", 1)], [("a", 9), ("b", 11)], [("a", 1)], [("a", 4)]]
+    modes = ["sparse", "sparse", "dense", "sparse", "sparse", "sparse", "sparse", "sparse"]
+    plain, plain_results = _run_qsa(layer, _qsa_manager(dtype), schedule, hidden, mode=modes)
+    cached, cached_results = _run_qsa(layer, _qsa_manager(dtype, blocks=True), schedule, hidden, mode=modes)
+    for rid in hidden:
+        assert torch.equal(cached[rid], plain[rid]), rid
+    for with_cache, without in zip(cached_results, plain_results):
+        if without.indices is not None:
+            assert torch.equal(with_cache.indices, without.indices)
+    assert any(r.indices is not None and (r.counts > QWEN.indexer_budget).any() for r in plain_results[3:])
+
+
+def test_qsa_block_cache_serves_a_prefix_hit():
+    """A second request whose prompt shares full pages with the first reads the first one's block keys from the
+    shared pages: its outputs equal, bit for bit, those of the same two requests without a block cache."""
+    layer = _qsa_layer(torch.float32, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    shared = torch.randn(24, QWEN.hidden_size, generator=gen)
+    hidden = {"a": torch.cat([shared, torch.randn(3, QWEN.hidden_size, generator=gen)]),
+              "b": torch.cat([shared, torch.randn(5, QWEN.hidden_size, generator=gen)])}
+    prompts = {"a": list(range(1, 28)), "b": list(range(1, 25)) + [90, 91, 92, 93, 94]}
+    outputs = {}
+    for blocks in (False, True):
+        manager = _qsa_manager(torch.float32, blocks=blocks, prefix_caching=True)
+        _run_qsa(layer, manager, [[("a", 27)]], {"a": hidden["a"]}, prompts={"a": prompts["a"]})
+        outputs[blocks], results = _run_qsa(layer, manager, [[("b", 5)]], {"b": hidden["b"]},
+                                            prompts={"b": prompts["b"]})
+        assert manager.cache_length("b") == 29 and results[0].positions.tolist() == [24, 25, 26, 27, 28]
+        assert (results[0].counts < results[0].positions + 1).all()  # a selection: the blocks were scored
+    assert torch.equal(outputs[True]["b"], outputs[False]["b"])
 
 
 def test_qsa_layer_rejects_unknown_mode():

@@ -22,7 +22,8 @@ from .ops.kpool import (
 )
 from .ops.kpool_step import kpool_indexer_step, store_pooled_keys
 from .ops.mla import mla_sparse_attention_paged
-from .ops.qsa import qsa_block_score, qsa_compress_keys_paged, qsa_select_tokens, qsa_sparse_attention_paged
+from .ops.qsa import (qsa_block_score, qsa_compress_keys_paged, qsa_load_block_keys_paged, qsa_select_tokens,
+                      qsa_sparse_attention_paged, qsa_store_block_keys_paged)
 from .ops.select import SelectedTokens, select_blocks_expand
 
 __version__ = "0.1.0"
@@ -49,8 +50,10 @@ __all__ = [
     "paged_store",
     "qsa_block_score",
     "qsa_compress_keys_paged",
+    "qsa_load_block_keys_paged",
     "qsa_select_tokens",
     "qsa_sparse_attention_paged",
+    "qsa_store_block_keys_paged",
     "rope_freqs_cis",
     "select_blocks_expand",
     "store_pooled_keys",

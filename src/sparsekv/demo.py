@@ -269,11 +269,12 @@ def make_workload(requests: int, context: int, shared: int, vocab: int, seed: in
 
 
 class DemoServer:
-    """Continuous batching over a :class:`PagedKVCacheManager` with four co-indexed cache groups.
+    """Continuous batching over a :class:`PagedKVCacheManager` with five co-indexed cache groups.
 
-    ``attention`` (K/V) and ``qsa_indexer`` (raw indexer keys) of the QSA
-    slice; ``mla_latent`` (latent rows) and ``kpool_indexer`` (pooled indexer
-    keys, ``sparsekv.layers.mla_cache_groups``) of the MLA slice.
+    ``attention`` (K/V), ``qsa_indexer`` (raw indexer keys) and ``qsa_blocks``
+    (the indexers' block keys, each pooled once) of the QSA slice;
+    ``mla_latent`` (latent rows) and ``kpool_indexer`` (pooled indexer keys,
+    ``sparsekv.layers.mla_cache_groups``) of the MLA slice.
     """
 
     CHECKED_SEQUENCES_PER_STEP = 2
@@ -285,6 +286,8 @@ class DemoServer:
         self.manager = PagedKVCacheManager(
             [CacheGroupSpec("attention", 2, len(q.qsa_layers), q.num_key_value_heads, q.head_dim, dtype),
              CacheGroupSpec("qsa_indexer", 1, len(q.qsa_layers), 1, q.indexer_head_dim, dtype),
+             CacheGroupSpec("qsa_blocks", 1, len(q.qsa_layers), 1, q.indexer_head_dim, dtype,
+                            tokens_per_entry=q.indexer_compress_ratio),
              *mla_cache_groups(mla.config, dtype, latent="mla_latent", indexer="kpool_indexer")],
             page_size=options.page_size, num_pages=num_pages, device=device, enable_prefix_caching=True)
         self.max_slots = options.requests + 1
@@ -320,7 +323,8 @@ class DemoServer:
         offsets = batch.input_row_offsets.tolist()
         with torch.no_grad():
             hidden, qsa_results = self.qwen(token_ids, input_row_offsets=batch.input_row_offsets, kv_cache=kv_cache,
-                                            index_cache=index_cache, timer=timer)
+                                            index_cache=index_cache, timer=timer,
+                                            block_cache=batch.collection("qsa_blocks"))
             _, mla_results = self.mla(token_ids, input_row_offsets=batch.input_row_offsets, latent_cache=latent_cache,
                                       index_cache=pooled_cache, rings=self.rings, slot_ids=slot_ids, timer=timer)
             kpool_results = [result.indexer for result in mla_results if result.indexer is not None]
@@ -591,9 +595,10 @@ def run_demo(options: DemoOptions) -> dict:
     options = replace(options, shared_prefix=shared_prefix_tokens(options), sweep_context=sweep_limit(options))
     dtype = _resolve_dtype(options, device)
     qwen, mla, vocab, sources = build_models(options, device, dtype)
-    kpool = mla.config.index_kpool
-    if options.page_size % kpool:
-        raise DemoError(f"--page-size: {options.page_size} must be a multiple of index_kpool ({kpool})")
+    for name, tokens in (("index_kpool", mla.config.index_kpool),
+                         ("indexer_compress_ratio", qwen.config.indexer_compress_ratio)):
+        if options.page_size % tokens:
+            raise DemoError(f"--page-size: {options.page_size} must be a multiple of {name} ({tokens})")
     prompts = make_workload(options.requests, options.context, options.shared_prefix, vocab, options.seed)
     pages_per_request = -(-(options.context + options.decode_tokens) // options.page_size)
     num_pages = options.requests * pages_per_request

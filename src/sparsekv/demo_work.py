@@ -11,8 +11,9 @@ estimate of each step's cost instead, in multiply-adds:
   ``min(t + 1, budget + R - 1)`` tokens, MLA sparse attention over
   ``min(t + 1, index_topk + kpool - 1)`` latent rows, QSA block scores over
   ``(t + 1) // R`` blocks and k-pool scores over ``(t + 1) // kpool`` pools;
-* per sequence in a step: the QSA compress reading its raw index keys and the
-  next-token logits;
+* per row: the QSA compress pooling its raw index key into a block key, once
+  (the block-key cache keeps the blocks of earlier calls);
+* per sequence in a step: the next-token logits;
 * per step: a fixed cost, :data:`STEP_OVERHEAD_MACS`.
 
 Example (``DEFAULT_QWEN``/``DEFAULT_GLM``): a 512-row prefill chunk at positions
@@ -70,7 +71,7 @@ class ServingWork:
     qsa_window: int  # budget + R - 1: the most tokens a row attends
     qsa_ratio: int
     qsa_score_macs: int  # per visible block: indexer heads x indexer head dim
-    qsa_compress_macs: int  # per raw index key read by the compress
+    qsa_compress_macs: int  # per raw index key the compress pools (once: the block-key cache keeps the blocks)
     kpool_layers: int  # layers that run their own indexer
     kpool_score_macs: int  # per visible pool: index heads x index head dim
     kpool: int
@@ -115,8 +116,7 @@ class ServingWork:
 
     def chunk(self, start: int, rows: int) -> float:
         """One sequence's ``rows`` new tokens after ``start`` cached ones, in one step (the step cost apart)."""
-        held = start + rows
-        return self.rows(start, held) + self.qsa_layers * held * self.qsa_compress_macs + self.logits_macs
+        return self.rows(start, start + rows) + self.qsa_layers * rows * self.qsa_compress_macs + self.logits_macs
 
     def step(self, chunks: Iterable[tuple[int, int]]) -> float:
         """A step computing ``(start, rows)`` for each sequence of its batch."""
@@ -135,11 +135,10 @@ class ServingWork:
         work, rows_left, prefill_rows, decode_after_prefill, decoding = 0.0, 0, 0, 0, 0
         for computed, prompt, decode_left in requests:
             prefill = max(prompt - computed, 0)
-            work += self.rows(computed, prompt) + math.ceil(prefill / step_tokens) * (
-                self.qsa_layers * prompt * self.qsa_compress_macs + self.logits_macs)
+            work += (self.rows(computed, prompt) + self.qsa_layers * prefill * self.qsa_compress_macs
+                     + math.ceil(prefill / step_tokens) * self.logits_macs)
             first = max(computed, prompt)  # decode step i runs at position first + i
-            held = decode_left * first + decode_left * (decode_left + 1) // 2
-            work += (self.rows(first, first + decode_left) + self.qsa_layers * held * self.qsa_compress_macs
+            work += (self.rows(first, first + decode_left) + self.qsa_layers * decode_left * self.qsa_compress_macs
                      + decode_left * self.logits_macs)
             rows_left += prefill + decode_left
             prefill_rows += prefill

@@ -105,7 +105,8 @@ class AttentionAdapter:
             self.tokens_read = torch.zeros((), dtype=torch.int64, device=device)
             self.tokens_causal = torch.zeros((), dtype=torch.int64, device=device)
 
-    def cache_groups(self, dtype: torch.dtype) -> list[CacheGroupSpec]:
+    def cache_groups(self, dtype: torch.dtype, page_size: int) -> list[CacheGroupSpec]:
+        """The cache groups the patched layers need, for pages of ``page_size`` tokens."""
         raise NotImplementedError
 
     def mask_mapping(self, inputs: torch.Tensor, attention_mask: torch.Tensor | None) -> dict | None:
@@ -158,7 +159,9 @@ class Qwen4ExpAdapter(AttentionAdapter):
 
     Cache groups (co-indexed, one layer per patched module): ``"main"``
     (keys and values, ``num_key_value_heads`` heads of ``head_dim``) and
-    ``"indexer"`` (raw indexer keys, one head of ``indexer_head_dim``).
+    ``"indexer"`` (raw indexer keys, one head of ``indexer_head_dim``), plus
+    ``"index_blocks"`` (the indexer's block keys, one per ``indexer_compress_ratio``
+    tokens) when that ratio divides the page size.
     RoPE uses the model's own rotary module (:class:`HFRotaryTable`), at each
     request's own positions ``0, 1, 2, ...`` (real tokens only).
     """
@@ -217,10 +220,16 @@ class Qwen4ExpAdapter(AttentionAdapter):
             raise RuntimeError(f"adapter: the QSA layer still has unshared weights {left}")
         return layer
 
-    def cache_groups(self, dtype: torch.dtype) -> list[CacheGroupSpec]:
+    def cache_groups(self, dtype: torch.dtype, page_size: int) -> list[CacheGroupSpec]:
+        """``"main"``, ``"indexer"``, and where ``indexer_compress_ratio`` divides the page size the
+        indexer's block-key cache ``"index_blocks"`` (each block pooled once, in the call that completes it)."""
         cfg, count = self.config, len(self.layers)
-        return [CacheGroupSpec("main", 2, count, cfg.num_key_value_heads, cfg.head_dim, dtype),
-                CacheGroupSpec("indexer", 1, count, 1, cfg.indexer_head_dim, dtype)]
+        groups = [CacheGroupSpec("main", 2, count, cfg.num_key_value_heads, cfg.head_dim, dtype),
+                  CacheGroupSpec("indexer", 1, count, 1, cfg.indexer_head_dim, dtype)]
+        if page_size % cfg.indexer_compress_ratio == 0:
+            groups.append(CacheGroupSpec("index_blocks", 1, count, 1, cfg.indexer_head_dim, dtype,
+                                         tokens_per_entry=cfg.indexer_compress_ratio))
+        return groups
 
     def mask_mapping(self, inputs: torch.Tensor, attention_mask: torch.Tensor | None) -> dict:
         """Hugging Face's masks without the dense ``[B, 1, T, past + T]`` one of the indexed layers.
@@ -234,9 +243,10 @@ class Qwen4ExpAdapter(AttentionAdapter):
                 "linear_attention": create_recurrent_attention_mask(self.text_model.config, inputs, attention_mask)}
 
     def forward(self, ordinal: int, rows: torch.Tensor, batch: BatchInputs, scratch: dict) -> torch.Tensor:
+        block_cache = batch.collection("index_blocks") if "index_blocks" in batch.groups else None
         result = self.layers[ordinal](rows, input_row_offsets=batch.input_row_offsets,
                                       kv_cache=batch.collection("main"), index_cache=batch.collection("indexer"),
-                                      cache_layer=ordinal)
+                                      cache_layer=ordinal, block_cache=block_cache)
         self.tokens_read += result.counts.sum(dtype=torch.int64)
         self.tokens_causal += result.positions.sum(dtype=torch.int64) + result.positions.numel()
         return result.output
@@ -323,7 +333,7 @@ class MlaAdapter(AttentionAdapter):
             raise RuntimeError(f"adapter: the MLA layer still has unshared weights {left}")
         return layer
 
-    def cache_groups(self, dtype: torch.dtype) -> list[CacheGroupSpec]:
+    def cache_groups(self, dtype: torch.dtype, page_size: int) -> list[CacheGroupSpec]:
         return mla_cache_groups(self.config, dtype)
 
     def forward(self, ordinal: int, rows: torch.Tensor, batch: BatchInputs, scratch: dict) -> torch.Tensor:

@@ -356,7 +356,7 @@ def patch_model(model: nn.Module, *, page_size: int = 64, num_pages: int = 512,
         raise ValueError(f"device: the attention weights are on {weight_device}, got {device!r}; move the model "
                          "first")
     adapter = adapter_cls(text_model, attentions)
-    manager = PagedKVCacheManager(adapter.cache_groups(dtype), page_size=page_size, num_pages=num_pages,
+    manager = PagedKVCacheManager(adapter.cache_groups(dtype, page_size), page_size=page_size, num_pages=num_pages,
                                   device=weight_device, enable_prefix_caching=False)
     state = PatchState(model, text_model, adapter, manager, dtype, weight_device)
     for ordinal, module in enumerate(attentions):

@@ -29,6 +29,8 @@ Choices where the SPEC is silent:
 
 One call (SPEC 2.6): project -> store raw indexer keys and main K/V ->
 compress every complete block -> score -> select -> sparse attention -> o_proj.
+With a block-key cache, the compress step pools only the blocks the call
+completes and reads the others back from the cache.
 
 Tensor parallel (``process_group``, see ``layers/tensor_parallel.py``): a rank
 holds its slice of the query/gate and KV heads (column-parallel ``q_proj``,
@@ -49,7 +51,8 @@ from torch import nn
 from ..cache.layout import PagedKVCacheCollection
 from ..numerics import apply_rope_neox, rms_norm_zero_centred, rope_freqs_cis
 from ..ops.cache import paged_store
-from ..ops.qsa import qsa_block_score, qsa_compress_keys_paged, qsa_select_tokens, qsa_sparse_attention_paged
+from ..ops.qsa import (qsa_block_score, qsa_compress_keys_paged, qsa_load_block_keys_paged, qsa_select_tokens,
+                       qsa_sparse_attention_paged, qsa_store_block_keys_paged)
 from ._common import StageTimerLike, batch_positions, frozen_linear, no_timer
 from .config import Qwen4ExpConfig
 from .tensor_parallel import TensorParallelGroup, WeightSlice, head_slice
@@ -150,7 +153,8 @@ class QSAIndexer(nn.Module):
 
     def select(self, index_q: torch.Tensor, index_cache: PagedKVCacheCollection, cache_layer: int,
                positions: torch.Tensor, input_row_offsets: torch.Tensor, freqs_cis: torch.Tensor,
-               timer: StageTimerLike = no_timer) -> tuple[torch.Tensor, torch.Tensor]:
+               timer: StageTimerLike = no_timer,
+               block_cache: PagedKVCacheCollection | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Compress -> score -> select (SPEC 2.2-2.4); this call's raw keys must be stored already.
 
         Returns ``(indices [T, budget + R - 1] int32, counts [T] int32)``.
@@ -159,19 +163,24 @@ class QSAIndexer(nn.Module):
         ``budget + R - 1`` tokens (known from those two, again without a device
         read), SPEC 2.4 selects every causal token: the selection is then
         written directly, the same indices in the same order, without
-        compressing or scoring.
+        compressing or scoring. With a ``block_cache`` that :meth:`store_blocks`
+        has brought up to this call, the block keys are read from it instead of
+        pooled again (the same bits).
         """
         width = self.budget + self.ratio - 1
         if index_cache.max_cache_length + index_cache.max_seq_length <= width:
             with timer("qsa.select"):
                 return every_causal_token(positions, width)
-        offsets = input_row_offsets.to(torch.int64)
-        key_counts = index_cache.cache_lengths.to(torch.int64) + (offsets[1:] - offsets[:-1])
+        key_counts = key_counts_after_call(index_cache, input_row_offsets)
         max_blocks = (index_cache.max_cache_length + index_cache.max_seq_length) // self.ratio
         with timer("qsa.compress"):
-            block_keys = qsa_compress_keys_paged(
-                self.k_layernorm.weight, freqs_cis, key_counts, index_cache, cache_layer,
-                ratio=self.ratio, eps=self.eps, max_blocks=max_blocks)
+            if block_cache is None:
+                block_keys = qsa_compress_keys_paged(
+                    self.k_layernorm.weight, freqs_cis, key_counts, index_cache, cache_layer,
+                    ratio=self.ratio, eps=self.eps, max_blocks=max_blocks)
+            else:
+                block_keys = qsa_load_block_keys_paged(key_counts, block_cache, cache_layer, ratio=self.ratio,
+                                                       max_blocks=max_blocks)
         with timer("qsa.score"):
             scores = qsa_block_score(index_q, block_keys, positions, input_row_offsets, ratio=self.ratio,
                                      score_scale=math.sqrt(self.head_dim))
@@ -179,6 +188,21 @@ class QSAIndexer(nn.Module):
             indices, counts = qsa_select_tokens(scores, positions, input_row_offsets, ratio=self.ratio,
                                                 budget=self.budget)
         return indices, counts
+
+    def store_blocks(self, index_cache: PagedKVCacheCollection, block_cache: PagedKVCacheCollection,
+                     cache_layer: int, input_row_offsets: torch.Tensor, freqs_cis: torch.Tensor) -> None:
+        """Pool the blocks this call completes into ``block_cache`` (:func:`qsa_store_block_keys_paged`);
+        this call's raw keys must be stored already. Run on every call that stores raw keys."""
+        qsa_store_block_keys_paged(self.k_layernorm.weight, freqs_cis,
+                                   key_counts_after_call(index_cache, input_row_offsets), index_cache, block_cache,
+                                   cache_layer, ratio=self.ratio, eps=self.eps)
+
+
+def key_counts_after_call(index_cache: PagedKVCacheCollection, input_row_offsets: torch.Tensor) -> torch.Tensor:
+    """``[B]`` int32: raw keys per sequence once this call's rows are stored (cached + new; a collection's
+    lengths are int32, and int32 index tensors pass the ops' checks without a conversion)."""
+    offsets = input_row_offsets.to(torch.int32)
+    return index_cache.cache_lengths.to(torch.int32) + (offsets[1:] - offsets[:-1])
 
 
 def every_causal_token(positions: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -250,11 +274,18 @@ class QSAAttention(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, *, input_row_offsets: torch.Tensor,
                 kv_cache: PagedKVCacheCollection, index_cache: PagedKVCacheCollection, cache_layer: int,
-                mode: str = "sparse", timer: StageTimerLike = no_timer) -> QSAResult:
+                mode: str = "sparse", timer: StageTimerLike = no_timer,
+                block_cache: PagedKVCacheCollection | None = None) -> QSAResult:
         """Run the layer on a ragged batch; ``mode`` is ``"sparse"`` (QSA) or ``"dense"`` (all causal tokens).
 
         Both modes store this call's keys/values and raw indexer keys, so they
-        can be mixed across calls. Returns a :class:`QSAResult`.
+        can be mixed across calls. ``block_cache`` (optional): the indexer's
+        block-key cache (``index_cache``'s pages, ``page_size // R`` rows each,
+        ``cache_lengths // R`` blocks cached; a cache manager's group with
+        ``tokens_per_entry = R``): each call pools only the blocks it completes
+        and keeps them there, and the indexer reads the others back instead of
+        pooling every block again (same bits). Pass it on every call of the
+        sequences it serves, or on none. Returns a :class:`QSAResult`.
         """
         if mode not in ("sparse", "dense"):
             raise ValueError(f"mode: expected 'sparse' or 'dense', got {mode!r}")
@@ -275,9 +306,12 @@ class QSAAttention(nn.Module):
             paged_store(index_cache, raw_keys, input_row_offsets, layer_idx=cache_layer, plane=0)
             paged_store(kv_cache, key, input_row_offsets, layer_idx=cache_layer, plane=0)
             paged_store(kv_cache, value.contiguous(), input_row_offsets, layer_idx=cache_layer, plane=1)
+        if block_cache is not None:
+            with timer("qsa.store_blocks"):
+                self.indexer.store_blocks(index_cache, block_cache, cache_layer, input_row_offsets, freqs_cis)
         if mode == "sparse":
             indices, counts = self.indexer.select(index_q, index_cache, cache_layer, positions,
-                                                  input_row_offsets, freqs_cis, timer)
+                                                  input_row_offsets, freqs_cis, timer, block_cache)
             with timer("qsa.attention"):
                 attended = qsa_sparse_attention_paged(query, kv_cache, cache_layer, indices, counts,
                                                       input_row_offsets, scale=self.scale, gate=gate)
@@ -391,19 +425,21 @@ class Qwen4ExpSlice(nn.Module):
         return pairs
 
     def forward(self, token_ids: torch.Tensor, *, input_row_offsets: torch.Tensor, kv_cache: PagedKVCacheCollection,
-                index_cache: PagedKVCacheCollection, mode: str = "sparse",
-                timer: StageTimerLike = no_timer) -> tuple[torch.Tensor, list[QSAResult]]:
-        """``token_ids [T]`` of a ragged batch -> (final hidden ``[T, hidden]``, one result per QSA layer)."""
+                index_cache: PagedKVCacheCollection, mode: str = "sparse", timer: StageTimerLike = no_timer,
+                block_cache: PagedKVCacheCollection | None = None) -> tuple[torch.Tensor, list[QSAResult]]:
+        """``token_ids [T]`` of a ragged batch -> (final hidden ``[T, hidden]``, one result per QSA layer).
+        ``block_cache``: the indexers' block-key cache (see :meth:`QSAAttention.forward`), or ``None``."""
         with timer("embed"):
             hidden = self.embed_tokens(token_ids)
         results = []
         for cache_layer, (norm, attention) in enumerate(zip(self.input_layernorms, self.attentions)):
             result = attention(norm(hidden), input_row_offsets=input_row_offsets, kv_cache=kv_cache,
-                               index_cache=index_cache, cache_layer=cache_layer, mode=mode, timer=timer)
+                               index_cache=index_cache, cache_layer=cache_layer, mode=mode, timer=timer,
+                               block_cache=block_cache)
             hidden = hidden + result.output
             results.append(result)
         return hidden, results
 
 
 __all__ = ["QSAAttention", "QSAIndexer", "QSAResult", "Qwen4ExpSlice", "RotaryTable", "ZeroCentredRMSNorm",
-           "dense_causal_attention", "every_causal_token"]
+           "dense_causal_attention", "every_causal_token", "key_counts_after_call"]

@@ -52,6 +52,38 @@ def _compress_op(
 
 
 
+@out_op("qsa_store_block_keys_paged", mutates_args=("block_blocks",))
+def _store_block_keys_op(
+    block_blocks: torch.Tensor,
+    gamma: torch.Tensor,
+    freqs_cis: torch.Tensor,
+    key_counts: torch.Tensor,
+    first_blocks: torch.Tensor,
+    blocks: torch.Tensor,
+    lookup_table: torch.Tensor,
+    layer: int,
+    ratio: int,
+    eps: float,
+) -> None:
+    kernel("qsa", "qsa_store_block_keys_paged", block_blocks.device)(
+        block_blocks, gamma, freqs_cis, key_counts, first_blocks, blocks, lookup_table, layer, ratio, eps
+    )
+
+
+@out_op("qsa_load_block_keys_paged", mutates_args=("block_keys",))
+def _load_block_keys_op(
+    block_keys: torch.Tensor,
+    key_counts: torch.Tensor,
+    block_blocks: torch.Tensor,
+    lookup_table: torch.Tensor,
+    layer: int,
+    ratio: int,
+) -> None:
+    kernel("qsa", "qsa_load_block_keys_paged", block_keys.device)(
+        block_keys, key_counts, block_blocks, lookup_table, layer, ratio
+    )
+
+
 @out_op("qsa_block_score", mutates_args=("scores",))
 def _block_score_op(
     scores: torch.Tensor,
@@ -137,6 +169,23 @@ def qsa_compress_keys_paged(
     blocks; 3 // 4 = 0 blocks).
     """
     c = check_instance("kv_collection", kv_collection, PagedKVCacheCollection)
+    key_counts, eps = _check_compress_inputs(gamma, freqs_cis, key_counts, c, "kv_collection", layer_idx, ratio,
+                                             eps, rotary_dim)
+    out, max_blocks = _block_keys_out(out, max_blocks, key_counts.shape[0], gamma.shape[0], c)
+    if host_checks(c.device):
+        num_blocks = np.minimum(host_array(key_counts).astype(np.int64) // ratio, max_blocks)
+        check_freqs_cis_rows(freqs_cis.shape[0], num_blocks, ratio)
+        if c.device.type != "cpu":  # CPU kernels check pages themselves before reading
+            check_needed_pages(c.lookup_table, c.num_pages, c.page_size, torch.from_numpy(num_blocks * ratio))
+    _compress_op(out, gamma, freqs_cis, key_counts, c.blocks, c.lookup_table, layer_idx, ratio, eps)
+    return out
+
+
+def _check_compress_inputs(gamma: torch.Tensor, freqs_cis: torch.Tensor, key_counts: torch.Tensor,
+                           c: PagedKVCacheCollection, cache_name: str, layer_idx: int, ratio: int, eps: float,
+                           rotary_dim: int | None) -> tuple[torch.Tensor, float]:
+    """The argument checks of the ops that pool raw indexer keys (compress, store block keys) against the
+    indexer cache ``c`` (named ``cache_name``); returns ``(key_counts`` as int32 on ``c``'s device, ``eps)``."""
     c._check_layer(layer_idx)
     check_int("ratio", ratio, minimum=1)
     eps = check_float("eps", eps, minimum=0.0)
@@ -147,16 +196,16 @@ def qsa_compress_keys_paged(
     if batch == 0:
         raise ValueError("key_counts: empty batch (0 sequences); expected at least one")
     if c.batch_size != batch:
-        raise ValueError(f"kv_collection.cache_lengths: expected {batch} entries (len(key_counts)), got {c.batch_size}")
+        raise ValueError(f"{cache_name}.cache_lengths: expected {batch} entries (len(key_counts)), got {c.batch_size}")
     if c.lookup_table.shape[0] != batch:
         raise ValueError(
-            f"kv_collection.lookup_table: expected {batch} rows (len(key_counts)), got {c.lookup_table.shape[0]}"
+            f"{cache_name}.lookup_table: expected {batch} rows (len(key_counts)), got {c.lookup_table.shape[0]}"
         )
     head_dim = gamma.shape[0]
     if c.num_heads != 1:
-        raise ValueError(f"kv_collection: expected an indexer cache with one key head, got {c.num_heads} heads")
+        raise ValueError(f"{cache_name}: expected an indexer cache with one key head, got {c.num_heads} heads")
     if c.head_size != head_dim:
-        raise ValueError(f"kv_collection: head width {c.head_size} differs from D = len(gamma) = {head_dim}")
+        raise ValueError(f"{cache_name}: head width {c.head_size} differs from D = len(gamma) = {head_dim}")
     freq_width = freqs_cis.shape[1]
     if rotary_dim is not None:
         check_int("rotary_dim", rotary_dim, minimum=0)
@@ -164,30 +213,173 @@ def qsa_compress_keys_paged(
             raise ValueError(f"freqs_cis: width {freq_width} differs from rotary_dim = {rotary_dim}")
     if freq_width == 0 or freq_width % 2 or freq_width > head_dim:
         raise ValueError(f"freqs_cis: rotary_dim (its width) must be even, > 0 and <= D = {head_dim}, got {freq_width}")
+    return key_counts, eps
 
+
+def _block_keys_out(out: torch.Tensor | None, max_blocks: int | None, batch: int, head_dim: int,
+                    c: PagedKVCacheCollection) -> tuple[torch.Tensor, int]:
+    """``(block_keys, max_blocks)``: ``out`` checked against ``max_blocks`` and the batch, or a new
+    ``[batch * max_blocks, head_dim]`` tensor of ``c``'s dtype when ``out`` is ``None``."""
     if out is None:
         if max_blocks is None:
             raise ValueError("max_blocks: required when out is not given")
         check_int("max_blocks", max_blocks, minimum=0)
-        out = torch.empty(batch * max_blocks, head_dim, dtype=c.dtype, device=c.device)
-    else:
-        check_tensor("out (block_keys)", out, ndim=2, dtypes=(c.dtype,), device=c.device)
-        if out.shape[1] != head_dim:
-            raise ValueError(f"out (block_keys): width {out.shape[1]} differs from D = len(gamma) = {head_dim}")
-        if out.shape[0] % batch:
-            raise ValueError(f"out (block_keys): {out.shape[0]} rows is not a multiple of the batch size {batch}")
-        if max_blocks is not None and max_blocks != out.shape[0] // batch:
-            raise ValueError(f"max_blocks: {max_blocks} disagrees with out rows {out.shape[0]} // batch {batch}")
-        if not out.is_contiguous():
-            raise ValueError("out (block_keys): expected a contiguous tensor")
-        max_blocks = out.shape[0] // batch
+        return torch.empty(batch * max_blocks, head_dim, dtype=c.dtype, device=c.device), max_blocks
+    check_tensor("out (block_keys)", out, ndim=2, dtypes=(c.dtype,), device=c.device)
+    if out.shape[1] != head_dim:
+        raise ValueError(f"out (block_keys): width {out.shape[1]} differs from D = {head_dim}")
+    if out.shape[0] % batch:
+        raise ValueError(f"out (block_keys): {out.shape[0]} rows is not a multiple of the batch size {batch}")
+    if max_blocks is not None and max_blocks != out.shape[0] // batch:
+        raise ValueError(f"max_blocks: {max_blocks} disagrees with out rows {out.shape[0]} // batch {batch}")
+    if not out.is_contiguous():
+        raise ValueError("out (block_keys): expected a contiguous tensor")
+    return out, out.shape[0] // batch
 
+
+def _check_block_cache(block_cache: PagedKVCacheCollection, index_cache: PagedKVCacheCollection, ratio: int,
+                       layer_idx: int) -> PagedKVCacheCollection:
+    """Check that ``block_cache`` can hold ``index_cache``'s block keys: a collection with one key head of
+    the same width and dtype, ``index_cache.page_size // ratio`` rows per page, the same pages, lookup
+    table and layers, and ``index_cache.cache_lengths // ratio`` blocks cached (the blocks complete before
+    this call). The table and lengths are compared where :func:`host_checks` reads values."""
+    bc = check_instance("block_cache", block_cache, PagedKVCacheCollection)
+    bc._check_layer(layer_idx)
+    if bc.device != index_cache.device:
+        raise ValueError(f"block_cache: on {bc.device}, expected index_cache's device {index_cache.device}")
+    if bc.dtype != index_cache.dtype:
+        raise TypeError(f"block_cache: expected dtype {index_cache.dtype} (same as index_cache), got {bc.dtype}")
+    if bc.num_heads != 1 or bc.head_size != index_cache.head_size:
+        raise ValueError(f"block_cache: expected one head of {index_cache.head_size} channels (as index_cache), "
+                         f"got {bc.num_heads} x {bc.head_size}")
+    if bc.page_size * ratio != index_cache.page_size:
+        raise ValueError(f"block_cache: {bc.page_size} rows per page x ratio {ratio} differs from index_cache's "
+                         f"page size {index_cache.page_size}")
+    if bc.num_pages != index_cache.num_pages:
+        raise ValueError(f"block_cache: {bc.num_pages} pages, expected index_cache's {index_cache.num_pages} "
+                         "(the two share page ids)")
+    if bc.lookup_table.shape != index_cache.lookup_table.shape:
+        raise ValueError(f"block_cache.lookup_table: shape {tuple(bc.lookup_table.shape)} differs from "
+                         f"index_cache's {tuple(index_cache.lookup_table.shape)} (the two share page ids)")
+    if host_checks(bc.device):
+        if bc.lookup_table is not index_cache.lookup_table and not np.array_equal(
+                host_array(bc.lookup_table), host_array(index_cache.lookup_table)):
+            raise ValueError("block_cache.lookup_table: differs from index_cache's (the two share page ids)")
+        expected = host_array(index_cache.cache_lengths).astype(np.int64) // ratio
+        found = host_array(bc.cache_lengths).astype(np.int64)
+        if not np.array_equal(found, expected):
+            b = int(np.flatnonzero(found != expected)[0])
+            raise ValueError(f"block_cache.cache_lengths: sequence {b} has {int(found[b])} blocks cached, expected "
+                             f"{int(expected[b])} (index_cache.cache_lengths[{b}] // ratio)")
+    return bc
+
+
+def qsa_store_block_keys_paged(
+    gamma: torch.Tensor,
+    freqs_cis: torch.Tensor,
+    key_counts: torch.Tensor,
+    index_cache: PagedKVCacheCollection,
+    block_cache: PagedKVCacheCollection,
+    layer_idx: int,
+    *,
+    ratio: int,
+    eps: float,
+    rotary_dim: int | None = None,
+) -> None:
+    """Compress the blocks that complete in this call and keep them in a block-key cache (SPEC 2.2, cached).
+
+    Block ``j`` of a sequence never changes once its ``R`` raw keys are stored,
+    so a decode step need not pool it again: this op pools blocks
+    ``block_cache.cache_lengths[b] .. key_counts[b] // R - 1`` of each sequence
+    (those completed since the last call; bit for bit what
+    :func:`qsa_compress_keys_paged` computes for them) and stores block ``j``
+    in row ``j % P`` of logical page ``j // P`` (``P = page_size // R``),
+    the page that holds its tokens in ``index_cache``. Read them back with
+    :func:`qsa_load_block_keys_paged`.
+
+    Args:
+        gamma, freqs_cis, key_counts, ratio, eps, rotary_dim: as for :func:`qsa_compress_keys_paged`.
+        index_cache: the indexer cache holding the raw keys (this call's already stored).
+        block_cache: ``[num_pages, KV, num_layers, page_size // R, 1, D]``, the same page ids, lookup
+            table and layers as ``index_cache``, its ``cache_lengths`` the blocks complete before this call
+            (``index_cache.cache_lengths // R``), its ``max_seq_length`` at least the blocks one sequence
+            completes in this call: e.g. a cache manager's group with ``tokens_per_entry = R``.
+        layer_idx: layer of both caches.
+
+    Every call that stores raw keys must be followed by this op before the
+    blocks are read: a block is stored once, in the call that completes it.
+
+    Raises ``ValueError`` for caches that do not match (page geometry, table,
+    lengths), a missing page or a ``freqs_cis`` too short, before writing anything.
+
+    Example: ``R = 4``, page size 8 (``P = 2``), 6 tokens cached, 3 new
+    (``key_counts = [9]``, ``block_cache.cache_lengths = [1]``): block 1
+    (tokens 4..7) goes to row 1 of logical page 0; token 8 waits for its block.
+    """
+    c = check_instance("index_cache", index_cache, PagedKVCacheCollection)
+    key_counts, eps = _check_compress_inputs(gamma, freqs_cis, key_counts, c, "index_cache", layer_idx, ratio, eps,
+                                             rotary_dim)
+    bc = _check_block_cache(block_cache, c, ratio, layer_idx)
     if host_checks(c.device):
-        num_blocks = np.minimum(host_array(key_counts).astype(np.int64) // ratio, max_blocks)
+        num_blocks = host_array(key_counts).astype(np.int64) // ratio
+        cached = host_array(bc.cache_lengths)
+        short = np.flatnonzero(num_blocks < cached)
+        if short.size:
+            b = int(short[0])
+            raise ValueError(f"key_counts: sequence {b} has {int(num_blocks[b])} complete blocks, fewer than the "
+                             f"{int(cached[b])} block_cache holds")
+        new_blocks = num_blocks - cached
+        if new_blocks.max() > bc.max_seq_length:  # it sizes the GPU kernels' grids
+            b = int(new_blocks.argmax())
+            raise ValueError(f"block_cache.max_seq_length: {bc.max_seq_length}, but sequence {b} completes "
+                             f"{int(new_blocks[b])} blocks in this call (key_counts[{b}] // ratio - its cached blocks)")
+        if not new_blocks.any():  # no block completes (a decode step inside a block): nothing to do
+            return
         check_freqs_cis_rows(freqs_cis.shape[0], num_blocks, ratio)
         if c.device.type != "cpu":  # CPU kernels check pages themselves before reading
             check_needed_pages(c.lookup_table, c.num_pages, c.page_size, torch.from_numpy(num_blocks * ratio))
-    _compress_op(out, gamma, freqs_cis, key_counts, c.blocks, c.lookup_table, layer_idx, ratio, eps)
+    _store_block_keys_op(bc.blocks, gamma, freqs_cis, key_counts, bc.cache_lengths, c.blocks, c.lookup_table,
+                         layer_idx, ratio, eps)
+
+
+def qsa_load_block_keys_paged(
+    key_counts: torch.Tensor,
+    block_cache: PagedKVCacheCollection,
+    layer_idx: int,
+    *,
+    ratio: int,
+    max_blocks: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`qsa_compress_keys_paged`'s output, read from a block-key cache instead of pooled again.
+
+    Args:
+        key_counts: ``[B]`` int, raw keys per sequence including this call's tokens.
+        block_cache: the cache :func:`qsa_store_block_keys_paged` filled up to ``key_counts``.
+        layer_idx: its layer.
+        ratio: tokens per block ``R``.
+        max_blocks, out: as for :func:`qsa_compress_keys_paged`.
+
+    Returns ``block_keys [B * max_blocks, D]`` in the cache dtype: block ``j
+    < min(key_counts[b] // R, max_blocks)`` of sequence ``b`` at row ``b *
+    max_blocks + j``, every other row zero. The blocks must have been
+    stored (the op cannot tell a stored block from stale memory).
+
+    Raises ``ValueError`` for a missing page (naming sequence and block).
+    """
+    bc = check_instance("block_cache", block_cache, PagedKVCacheCollection)
+    bc._check_layer(layer_idx)
+    check_int("ratio", ratio, minimum=1)
+    if bc.batch_size == 0:
+        raise ValueError("block_cache: empty batch (0 sequences); expected at least one")
+    key_counts = check_nonnegative("key_counts", key_counts, batch=bc.batch_size, device=bc.device)
+    if bc.num_heads != 1:
+        raise ValueError(f"block_cache: expected one key head, got {bc.num_heads} heads")
+    out, max_blocks = _block_keys_out(out, max_blocks, bc.batch_size, bc.head_size, bc)
+    if host_checks(bc.device) and bc.device.type != "cpu":  # CPU kernels check pages themselves
+        num_blocks = np.minimum(host_array(key_counts).astype(np.int64) // ratio, max_blocks)
+        check_needed_pages(bc.lookup_table, bc.num_pages, bc.page_size, torch.from_numpy(num_blocks))
+    _load_block_keys_op(out, key_counts, bc.blocks, bc.lookup_table, layer_idx, ratio)
     return out
 
 

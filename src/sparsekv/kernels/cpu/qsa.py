@@ -69,7 +69,7 @@ from numba import prange
 
 from ..._checks import check_freqs_cis_rows
 from ...cache.layout import page_error
-from ._bits import as_numba, narrow, widen
+from ._bits import as_numba, copy_row, narrow, widen
 from ._score_tasks import plan_score_tasks, row_group, score_task, write_group_scores
 from ._tile_ir import KEYS_PER_TILE, SQUARE_SUM_ROWS
 from ._tile_ops import KEYS_PER_TASK, dots_of_rows, new_scratch, square_sums_in_order
@@ -83,6 +83,68 @@ _ROWS_PER_TASK = 64  # block-key rows per compress task (groups of SQUARE_SUM_RO
 
 # ---- compress -------------------------------------------------------------------------
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _pooled_mean(block, keys, page_stride, base, page_size, table, b, j, ratio, inverse_ratio, like):
+    """``block [D]`` = the mean of sequence ``b``'s raw keys ``j*R .. j*R + R - 1`` (summed in token order in
+    float32, divided once, rounded to ``like``'s dtype); ``keys`` the flat cache (``flat_plane``, one head)."""
+    dim = block.shape[0]
+    column = j * ratio // page_size  # one division per block; its tokens follow on
+    slot = j * ratio - column * page_size
+    for i in range(ratio):
+        if slot == page_size:
+            column, slot = column + 1, 0
+        start = table[b, column] * page_stride + base + slot * dim
+        slot += 1
+        raw = keys[start : start + dim]  # a slice: indices from range() vectorise, offsets do not
+        if i == 0:
+            for d in range(dim):
+                block[d] = widen(raw[d])
+        else:
+            for d in range(dim):
+                block[d] = block[d] + widen(raw[d])
+    if inverse_ratio != 0.0:
+        for d in range(dim):
+            block[d] = widen(narrow(block[d] * inverse_ratio, like))
+    else:
+        for d in range(dim):
+            block[d] = widen(narrow(block[d] / np.float32(ratio), like))
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _norm_rope_into(out_row, block, inv_rms, scales, cosines, sines):
+    """``out_row [D]`` = ``block`` (a pooled mean, overwritten) RMS-normed with ``inv_rms`` and ``scales = 1 +
+    gamma``, rounded, then NeoX-rotated over its first ``2 * len(cosines)`` channels with the rounded
+    ``cosines``/``sines``; each step rounded to ``out_row``'s dtype."""
+    dim, half = block.shape[0], cosines.shape[0]
+    for d in range(dim):
+        block[d] = widen(narrow(block[d] * inv_rms * scales[d], out_row))
+    # each loop writes one array that none of its reads share, so LLVM vectorises it
+    low, high = block[:half], block[half : 2 * half]  # slices, again for vectorisation
+    out_low, out_high = out_row[:half], out_row[half : 2 * half]
+    for i in range(half):
+        out_low[i] = narrow(low[i] * cosines[i] - high[i] * sines[i], out_row)
+    for i in range(half):
+        out_high[i] = narrow(high[i] * cosines[i] + low[i] * sines[i], out_row)
+    unrotated, out_unrotated = block[2 * half :], out_row[2 * half :]
+    for d in range(dim - 2 * half):
+        out_unrotated[d] = narrow(unrotated[d], out_row)
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _rounded_rotation(cosines, sines, pairs, like):
+    """``cosines``/``sines [half]`` = the (cos, sin) pairs of one ``freqs`` row, rounded to ``like``'s dtype."""
+    for i in range(cosines.shape[0]):  # unsigned indices: no negative-index check
+        cosines[i] = widen(narrow(pairs[np.uint64(2) * np.uint64(i)], like))
+        sines[i] = widen(narrow(pairs[np.uint64(2) * np.uint64(i) + np.uint64(1)], like))
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _inverse_ratio(ratio):
+    """``1 / R`` where ``x / R == x * (1/R)`` exactly (``R`` a power of two: both round the same exact value),
+    else 0 (divide)."""
+    return np.float32(1.0) / np.float32(ratio) if ratio & (ratio - 1) == 0 else np.float32(0.0)
+
+
 @numba.njit(**PARALLEL_JIT)
 def _compress_kernel(out, keys, page_stride, base, page_size, table, num_blocks, gamma, freqs, ratio, eps):
     """``out [B*max_blocks, D]``; ``keys`` the flat cache (see ``flat_plane``, one head);
@@ -93,22 +155,13 @@ def _compress_kernel(out, keys, page_stride, base, page_size, table, num_blocks,
     half = freqs.shape[1] // 2
     # cos/sin of every block start, rounded to the keys' dtype once: every sequence reads this
     # small table in order, instead of every ratio-th row of the whole freqs_cis table
-    # (cos and sin apart, so that the rotation loop reads both contiguously)
     rotations = np.empty((min(max_blocks, np.max(num_blocks)), 2, half), np.float32)
-    rounded = np.empty((rotations.shape[0], 2 * half), np.float32)
     for j in prange(rotations.shape[0]):
-        pairs, row = freqs[j * ratio], rounded[j]  # [half * 2]: (cos, sin) interleaved
-        for i in range(2 * half):
-            row[i] = widen(narrow(pairs[i], out))
-        cosines, sines = rotations[j, 0], rotations[j, 1]
-        for i in range(half):  # unsigned indices: no negative-index check
-            cosines[i] = row[np.uint64(2) * np.uint64(i)]
-            sines[i] = row[np.uint64(2) * np.uint64(i) + np.uint64(1)]
+        _rounded_rotation(rotations[j, 0], rotations[j, 1], freqs[j * ratio], out)
     scales = np.empty(dim, np.float32)
     for d in range(dim):
         scales[d] = np.float32(1.0) + gamma[d]
-    # x / R == x * (1/R) exactly when R is a power of two (both round the same exact value)
-    inverse_ratio = np.float32(1.0) / np.float32(ratio) if ratio & (ratio - 1) == 0 else np.float32(0.0)
+    inverse_ratio = _inverse_ratio(ratio)
     tasks = (rows + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK
     for task in prange(tasks):
         acc = np.empty((SQUARE_SUM_ROWS, dim), np.float32)
@@ -120,30 +173,10 @@ def _compress_kernel(out, keys, page_stride, base, page_size, table, num_blocks,
             for k in range(group):  # 1. mean of the R raw keys, in token order, rounded
                 row = group_start + k
                 b, j = row // max_blocks, row % max_blocks
-                block = acc[k]
                 if j >= num_blocks[b]:
-                    block[:] = 0.0
-                    continue
-                column = j * ratio // page_size  # one division per block; its tokens follow on
-                slot = j * ratio - column * page_size
-                for i in range(ratio):
-                    if slot == page_size:
-                        column, slot = column + 1, 0
-                    start = table[b, column] * page_stride + base + slot * dim
-                    slot += 1
-                    raw = keys[start : start + dim]  # a slice: indices from range() vectorise, offsets do not
-                    if i == 0:
-                        for d in range(dim):
-                            block[d] = widen(raw[d])
-                    else:
-                        for d in range(dim):
-                            block[d] = block[d] + widen(raw[d])
-                if inverse_ratio != 0.0:
-                    for d in range(dim):
-                        block[d] = widen(narrow(block[d] * inverse_ratio, out))
+                    acc[k, :] = 0.0
                 else:
-                    for d in range(dim):
-                        block[d] = widen(narrow(block[d] / np.float32(ratio), out))
+                    _pooled_mean(acc[k], keys, page_stride, base, page_size, table, b, j, ratio, inverse_ratio, out)
             # 2. sums of squares in channel order, the group's blocks as the lanes of a vector
             square_sums_in_order(acc, squares)
             for k in range(SQUARE_SUM_ROWS):
@@ -151,26 +184,88 @@ def _compress_kernel(out, keys, page_stride, base, page_size, table, num_blocks,
             for k in range(group):  # 3. RMSNorm, RoPE, store
                 row = group_start + k
                 b, j = row // max_blocks, row % max_blocks
-                out_row, block = out[row], acc[k]
+                out_row = out[row]
                 if j >= num_blocks[b]:
                     for d in range(dim):
                         out_row[d] = narrow(np.float32(0.0), out)
-                    continue
-                block_inv_rms = inv_rms[k]
-                for d in range(dim):
-                    block[d] = widen(narrow(block[d] * block_inv_rms * scales[d], out))
-                # RoPE on the first 2*half channels, written straight to the output: each loop writes one
-                # array that none of its reads share, so LLVM vectorises it
-                cosines, sines = rotations[j, 0], rotations[j, 1]  # [half] each, rounded
-                low, high = block[:half], block[half : 2 * half]  # slices, again for vectorisation
-                out_low, out_high = out_row[:half], out_row[half : 2 * half]
-                for i in range(half):
-                    out_low[i] = narrow(low[i] * cosines[i] - high[i] * sines[i], out)
-                for i in range(half):
-                    out_high[i] = narrow(high[i] * cosines[i] + low[i] * sines[i], out)
-                unrotated, out_unrotated = block[2 * half :], out_row[2 * half :]
-                for d in range(dim - 2 * half):
-                    out_unrotated[d] = narrow(unrotated[d], out)
+                else:
+                    _norm_rope_into(out_row, acc[k], inv_rms[k], scales, rotations[j, 0], rotations[j, 1])
+
+
+@numba.njit(**PARALLEL_JIT)
+def _store_blocks_kernel(target, target_stride, target_base, blocks_per_page, keys, page_stride, base, page_size,
+                         table, first_blocks, num_blocks, gamma, freqs, ratio, eps):
+    """Blocks ``first_blocks[b] .. num_blocks[b] - 1`` of each sequence ``b``, pooled as in
+    :func:`_compress_kernel`, block ``j`` written to row ``j % blocks_per_page`` of page ``table[b, j //
+    blocks_per_page]`` of ``target`` (a flat block-key cache: ``target_stride`` per page, its layer from
+    ``target_base``). ``first_blocks <= num_blocks``."""
+    batch = num_blocks.shape[0]
+    dim = gamma.shape[0]
+    half = freqs.shape[1] // 2
+    row_starts = np.zeros(batch + 1, np.int64)  # new blocks as rows, sequence after sequence
+    for b in range(batch):
+        row_starts[b + 1] = row_starts[b] + max(num_blocks[b] - first_blocks[b], 0)
+    rows = row_starts[batch]
+    scales = np.empty(dim, np.float32)
+    for d in range(dim):
+        scales[d] = np.float32(1.0) + gamma[d]
+    inverse_ratio = _inverse_ratio(ratio)
+    tasks = (rows + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK
+    for task in prange(tasks):
+        acc = np.empty((SQUARE_SUM_ROWS, dim), np.float32)
+        squares = np.empty(SQUARE_SUM_ROWS, np.float32)
+        inv_rms = np.empty(SQUARE_SUM_ROWS, np.float32)
+        cosines = np.empty(half, np.float32)
+        sines = np.empty(half, np.float32)
+        task_end = min((task + 1) * _ROWS_PER_TASK, rows)
+        for group_start in range(task * _ROWS_PER_TASK, task_end, SQUARE_SUM_ROWS):
+            group = min(SQUARE_SUM_ROWS, task_end - group_start)
+            for k in range(group):
+                row = group_start + k
+                b = np.searchsorted(row_starts, row, side="right") - 1
+                j = first_blocks[b] + row - row_starts[b]
+                _pooled_mean(acc[k], keys, page_stride, base, page_size, table, b, j, ratio, inverse_ratio, target)
+            square_sums_in_order(acc, squares)
+            for k in range(SQUARE_SUM_ROWS):
+                inv_rms[k] = np.float32(1.0) / np.sqrt(squares[k] / np.float32(dim) + np.float32(eps))
+            for k in range(group):
+                row = group_start + k
+                b = np.searchsorted(row_starts, row, side="right") - 1
+                j = first_blocks[b] + row - row_starts[b]
+                _rounded_rotation(cosines, sines, freqs[j * ratio], target)
+                start = table[b, j // blocks_per_page] * target_stride + target_base + j % blocks_per_page * dim
+                _norm_rope_into(target[start : start + dim], acc[k], inv_rms[k], scales, cosines, sines)
+
+
+@numba.njit(**PARALLEL_JIT)
+def _load_blocks_kernel(out, source, source_stride, source_base, blocks_per_page, table, num_blocks):
+    """``out [B*max_blocks, D]``: row ``b*max_blocks + j`` = block ``j`` of sequence ``b`` from the flat
+    block-key cache ``source`` (laid out as for :func:`_store_blocks_kernel`) for ``j < num_blocks[b]``, zero
+    elsewhere."""
+    rows, dim = out.shape
+    max_blocks = rows // num_blocks.shape[0]
+    for row in prange(rows):
+        b, j = row // max_blocks, row % max_blocks
+        out_row = out[row]
+        if j < num_blocks[b]:
+            start = table[b, j // blocks_per_page] * source_stride + source_base + j % blocks_per_page * dim
+            copy_row(out_row, source[start : start + dim])
+        else:
+            out_row[:] = 0
+
+
+def _checked_block_sources(freqs_cis, num_blocks, blocks, lookup_table, ratio, dtype):
+    """Validate that ``freqs_cis`` has a row for every block start and the table every page that blocks ``0 ..
+    num_blocks[b] - 1`` read (``ValueError`` before anything is written); returns the RoPE rows the
+    kernels read (``freqs [positions, rotary]`` float32 numpy, each value as the keys' dtype rounds it)."""
+    check_freqs_cis_rows(freqs_cis.shape[0], num_blocks, ratio)
+    b, t = first_missing_page(lookup_table.numpy(), blocks.shape[0], blocks.shape[3], num_blocks * ratio)
+    if b >= 0:
+        raise page_error(lookup_table, blocks.shape[0], blocks.shape[3], b, t)
+    needed_positions = int(num_blocks.max()) * ratio - ratio + 1 if num_blocks.shape[0] else 0
+    if freqs_cis.dtype == torch.float64:  # round once, from float64 straight to the keys' dtype
+        freqs_cis = freqs_cis.to(dtype)
+    return freqs_cis[: max(needed_positions, 1)].float().contiguous().numpy()
 
 
 def qsa_compress_keys_paged(block_keys, gamma, freqs_cis, key_counts, blocks, lookup_table, layer, ratio, eps):
@@ -179,20 +274,48 @@ def qsa_compress_keys_paged(block_keys, gamma, freqs_cis, key_counts, blocks, lo
     max_blocks = block_keys.shape[0] // batch
     # host math in numpy: a torch op costs several microseconds each, this whole wrapper ~10
     num_blocks = np.clip(key_counts.numpy().astype(np.int64) // ratio, 0, max_blocks)
-    check_freqs_cis_rows(freqs_cis.shape[0], num_blocks, ratio)
-    b, t = first_missing_page(lookup_table.numpy(), blocks.shape[0], blocks.shape[3], num_blocks * ratio)
-    if b >= 0:
-        raise page_error(lookup_table, blocks.shape[0], blocks.shape[3], b, t)
-    needed_positions = int(num_blocks.max()) * ratio - ratio + 1 if batch else 0
-    if freqs_cis.dtype == torch.float64:  # round once, from float64 straight to the keys' dtype
-        freqs_cis = freqs_cis.to(block_keys.dtype)
-    freqs = freqs_cis[: max(needed_positions, 1)].float().contiguous()
+    freqs = _checked_block_sources(freqs_cis, num_blocks, blocks, lookup_table, ratio, block_keys.dtype)
     out = block_keys if block_keys.is_contiguous() else torch.empty_like(block_keys, memory_format=torch.contiguous_format)
     keys, page_stride, base = flat_plane(blocks, 0, layer)
     with threads_for(block_keys.numel() * ratio):
         _compress_kernel(as_numba(out), keys, page_stride, base, blocks.shape[3], lookup_table.numpy(),
-                         num_blocks.astype(np.int32), gamma.float().contiguous().numpy(), freqs.numpy(),
-                         ratio, float(eps))
+                         num_blocks.astype(np.int32), gamma.float().contiguous().numpy(), freqs, ratio, float(eps))
+    if out is not block_keys:
+        block_keys.copy_(out)
+
+
+def qsa_store_block_keys_paged(block_blocks, gamma, freqs_cis, key_counts, first_blocks, blocks, lookup_table, layer,
+                               ratio, eps):
+    """Same contract as :func:`sparsekv.kernels.reference.qsa.qsa_store_block_keys_paged`."""
+    num_blocks = key_counts.numpy().astype(np.int64) // ratio
+    first = first_blocks.numpy().astype(np.int64)
+    if not (first < num_blocks).any():  # a decode step between block ends: nothing completes
+        return
+    freqs = _checked_block_sources(freqs_cis, num_blocks, blocks, lookup_table, ratio, block_blocks.dtype)
+    b, j = first_missing_page(lookup_table.numpy(), block_blocks.shape[0], block_blocks.shape[3], num_blocks)
+    if b >= 0:
+        raise page_error(lookup_table, block_blocks.shape[0], block_blocks.shape[3], b, j)
+    keys, page_stride, base = flat_plane(blocks, 0, layer)
+    target, target_stride, target_base = flat_plane(block_blocks, 0, layer)
+    with threads_for(int((num_blocks - first).clip(0).sum()) * ratio * gamma.shape[0]):
+        _store_blocks_kernel(target, target_stride, target_base, block_blocks.shape[3], keys, page_stride, base,
+                             blocks.shape[3], lookup_table.numpy(), first, num_blocks,
+                             gamma.float().contiguous().numpy(), freqs, ratio, float(eps))
+
+
+def qsa_load_block_keys_paged(block_keys, key_counts, block_blocks, lookup_table, layer, ratio):
+    """Same contract as :func:`sparsekv.kernels.reference.qsa.qsa_load_block_keys_paged`."""
+    batch = key_counts.shape[0]
+    max_blocks = block_keys.shape[0] // batch
+    num_blocks = np.clip(key_counts.numpy().astype(np.int64) // ratio, 0, max_blocks)
+    b, j = first_missing_page(lookup_table.numpy(), block_blocks.shape[0], block_blocks.shape[3], num_blocks)
+    if b >= 0:
+        raise page_error(lookup_table, block_blocks.shape[0], block_blocks.shape[3], b, j)
+    out = block_keys if block_keys.is_contiguous() else torch.empty_like(block_keys, memory_format=torch.contiguous_format)
+    source, source_stride, source_base = flat_plane(block_blocks, 0, layer)
+    with threads_for(block_keys.numel()):
+        _load_blocks_kernel(as_numba(out), source, source_stride, source_base, block_blocks.shape[3],
+                            lookup_table.numpy(), num_blocks)
     if out is not block_keys:
         block_keys.copy_(out)
 

@@ -1,6 +1,6 @@
 """Reference QSA kernels (SPEC 2.2, 2.3, 2.5): readable PyTorch, the oracle.
 
-Every other backend exports these three functions with the same signatures
+Every other backend exports these functions with the same signatures
 (outputs first) and must agree with them within SPEC 4. Arguments arrive
 already validated by ``sparsekv.ops.qsa``; index tensors are int32 on the
 data's device. The checks made here are only those no public op can make
@@ -132,6 +132,71 @@ def qsa_compress_keys_paged(
         first_tokens = torch.arange(num_blocks, device=blocks.device) * ratio
         rotated = apply_rope_neox(normed, freqs_cis[first_tokens], rotary_dim)
         block_keys[b * max_blocks : b * max_blocks + num_blocks] = rotated
+
+
+def qsa_store_block_keys_paged(
+    block_blocks: torch.Tensor,
+    gamma: torch.Tensor,
+    freqs_cis: torch.Tensor,
+    key_counts: torch.Tensor,
+    first_blocks: torch.Tensor,
+    blocks: torch.Tensor,
+    lookup_table: torch.Tensor,
+    layer: int,
+    ratio: int,
+    eps: float,
+) -> None:
+    """Compress the blocks ``first_blocks[b] .. key_counts[b] // ratio - 1`` of each sequence (as
+    :func:`qsa_compress_keys_paged` pools them) and store block ``j`` in a block-key cache.
+
+    Args:
+        block_blocks: OUT, the block-key cache ``[num_pages, KV, num_layers, P, 1, D]`` with ``P =
+            page_size // ratio`` rows per page, the same page ids as ``blocks`` (``lookup_table`` serves
+            both): block ``j`` of sequence ``b`` goes to row ``j % P`` of page ``lookup_table[b, j // P]``,
+            plane 0 of ``layer``. Nothing else is written.
+        first_blocks: ``[B]`` int32, the blocks already stored (``<= key_counts[b] // ratio``).
+        The others as for :func:`qsa_compress_keys_paged`.
+
+    Example: ``key_counts = [9]``, ``first_blocks = [1]``, ``ratio = 4``: block 1 (tokens 4..7) is stored;
+    block 0 is left as it is; token 8 waits for its block to fill.
+    """
+    num_blocks = key_counts.to(torch.int64) // ratio
+    batch, most = key_counts.shape[0], int(num_blocks.max()) if key_counts.numel() else 0
+    every_block = torch.empty(batch * most, block_blocks.shape[-1], dtype=block_blocks.dtype,
+                              device=block_blocks.device)
+    qsa_compress_keys_paged(every_block, gamma, freqs_cis, key_counts, blocks, lookup_table, layer, ratio, eps)
+    per_page = block_blocks.shape[3]
+    for b in range(batch):
+        new = torch.arange(int(first_blocks[b]), int(num_blocks[b]), device=block_blocks.device)
+        if new.numel() == 0:
+            continue
+        pages, rows = resolve_pages(lookup_table, block_blocks.shape[0], per_page, torch.full_like(new, b), new)
+        block_blocks[pages, 0, layer, rows, 0] = every_block[b * most + new]
+
+
+def qsa_load_block_keys_paged(
+    block_keys: torch.Tensor,
+    key_counts: torch.Tensor,
+    block_blocks: torch.Tensor,
+    lookup_table: torch.Tensor,
+    layer: int,
+    ratio: int,
+) -> None:
+    """:func:`qsa_compress_keys_paged`'s output read from a block-key cache that
+    :func:`qsa_store_block_keys_paged` filled: row ``b * max_blocks + j`` is block ``j`` of sequence ``b``
+    as stored (row ``j % P`` of page ``lookup_table[b, j // P]``) for ``j < min(key_counts[b] // ratio,
+    max_blocks)``, zero elsewhere. Raises ``ValueError`` naming the sequence and block of a missing page.
+    """
+    batch = key_counts.shape[0]
+    max_blocks = block_keys.shape[0] // batch
+    num_blocks = torch.clamp(key_counts.to(torch.int64) // ratio, 0, max_blocks)
+    per_page = block_blocks.shape[3]
+    check_needed_pages(lookup_table, block_blocks.shape[0], per_page, num_blocks)
+    block_keys.zero_()
+    for b in range(batch):
+        stored = torch.arange(int(num_blocks[b]), device=block_blocks.device)
+        pages, rows = resolve_pages(lookup_table, block_blocks.shape[0], per_page, torch.full_like(stored, b), stored)
+        block_keys[b * max_blocks : b * max_blocks + stored.numel()] = block_blocks[pages, 0, layer, rows, 0]
 
 
 def qsa_block_score(
