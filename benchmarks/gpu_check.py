@@ -204,6 +204,41 @@ class Checker:
                        lambda: self.tri["qsa"].qsa_compress_keys_paged(actual, *args), moved, peers)
         return Result(row, spec_check(actual, expected), self.copy_target(row))
 
+    def qsa_block_cache(self, batch: int, ctx: int) -> Result:
+        """A decode step with a block-key cache: the block each sequence completes stored (checked against the
+        reference, bit for bit), then every block read back in compress's layout (timed, against a copy)."""
+        from sparsekv import rope_freqs_cis
+
+        q = self.p["qsa"]
+        x = self.inputs()
+        blocks, table = x.paged(batch, ctx, q["page"], 1, 1, q["dim"])
+        per_page = q["page"] // q["ratio"]
+        block_blocks = x.randn(blocks.shape[0], 1, 1, per_page, 1, q["dim"])
+        key_counts = x.i32([ctx] * batch)
+        first = x.i32([ctx // q["ratio"] - 1] * batch)
+        freqs = rope_freqs_cis(ctx, q["rotary"], device=self.device)
+        args = (x.randn(q["dim"], scale=0.2), freqs, key_counts, first, blocks, table, 0, q["ratio"], 1e-6, 1)
+        expected, actual = block_blocks.clone(), block_blocks.clone()
+        self.ref["qsa"].qsa_store_block_keys_paged(expected, *args)
+        self.tri["qsa"].qsa_store_block_keys_paged(actual, *args)
+        stored = bool(torch.equal(actual.view(torch.int16), expected.view(torch.int16)))
+        max_blocks = ctx // q["ratio"]
+        want = torch.empty(batch * max_blocks, q["dim"], dtype=self.dtype, device=self.device)
+        got = torch.full_like(want, float("nan"))
+        self.ref["qsa"].qsa_load_block_keys_paged(want, key_counts, expected, table, 0, q["ratio"])
+        self.tri["qsa"].qsa_load_block_keys_paged(got, key_counts, actual, table, 0, q["ratio"])
+        loaded = bool(torch.equal(got.view(torch.int16), want.view(torch.int16)))
+        moved = payload(nbytes(want), nbytes(want))
+        peers = {"copy": self.timed(copy_peer(moved, self.device)),
+                 "ref": self.timed(lambda: self.ref["qsa"].qsa_load_block_keys_paged(want, key_counts, expected,
+                                                                                      table, 0, q["ratio"]), ref=True)}
+        row = self.row("qsa_load_block_keys_paged", f"B={batch} ctx={ctx} D={q['dim']} R={q['ratio']}",
+                       lambda: self.tri["qsa"].qsa_load_block_keys_paged(got, key_counts, actual, table, 0,
+                                                                         q["ratio"]), moved, peers)
+        check = (stored and loaded,
+                 f"store {'exact' if stored else 'differs'}, load {'exact' if loaded else 'differs'}")
+        return Result(row, check, self.copy_target(row))
+
     def qsa_block_score(self, batch: int, ctx: int) -> Result:
         q = self.p["qsa"]
         x = self.inputs()
@@ -405,6 +440,7 @@ class Checker:
         out = [("paged_store", self.paged_store)]
         for b, ctx in p["decode"]:
             out += [(f"qsa_compress B={b} ctx={ctx}", lambda b=b, c=ctx: self.qsa_compress(b, c)),
+                    (f"qsa_block_cache B={b} ctx={ctx}", lambda b=b, c=ctx: self.qsa_block_cache(b, c)),
                     (f"qsa_block_score B={b} ctx={ctx}", lambda b=b, c=ctx: self.qsa_block_score(b, c)),
                     (f"qsa_select B={b} ctx={ctx}",
                      lambda b=b, c=ctx: self.select(b, c, ratio, p["budget"], "qsa_select_tokens")),

@@ -54,7 +54,8 @@ def test_store_then_load_equals_compress_on_cpu_and_reference(dtype, seed):
         stored = {}
         for name, backend in (("cpu", cpu_qsa), ("reference", ref_qsa)):
             target = block_blocks.clone()
-            backend.qsa_store_block_keys_paged(target, gamma, freqs, counts, first, blocks, table, layer, ratio, 1e-6)
+            backend.qsa_store_block_keys_paged(target, gamma, freqs, counts, first, blocks, table, layer, ratio, 1e-6,
+                                               max(n // ratio for n in key_counts))
             stored[name] = target
         assert same_bits(stored["cpu"], stored["reference"])
         max_blocks = max(n // ratio for n in key_counts) + rng.choice([0, 1])
@@ -69,7 +70,7 @@ def test_store_then_load_equals_compress_on_cpu_and_reference(dtype, seed):
                     assert same_bits(row, want[b * max_blocks + j])
         full = block_blocks.clone()  # every block stored: loading gives compress's output whatever max_blocks
         cpu_qsa.qsa_store_block_keys_paged(full, gamma, freqs, counts, torch.zeros_like(counts), blocks, table, layer,
-                                           ratio, 1e-6)
+                                           ratio, 1e-6, max(n // ratio for n in key_counts))
         for cut in (max_blocks, max(max_blocks - 1, 0)):
             want = torch.empty(len(key_counts) * cut, blocks.shape[-1], dtype=dtype)
             ref_qsa.qsa_compress_keys_paged(want, gamma, freqs, counts, blocks, table, layer, ratio, 1e-6)

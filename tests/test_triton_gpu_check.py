@@ -24,8 +24,8 @@ def test_interpret_smoke_run_checks_every_kernel(tmp_path, capsys):
     assert load_script().main(["--interpret-smoke", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     ops = {row["op"] for row in report["rows"]}
-    assert ops >= {"paged_store", "qsa_compress_keys_paged", "qsa_block_score", "qsa_select_tokens",
-                   "qsa_sparse_attention_paged", "mla_kpool_compress", "mla_kpool_ring_close",
+    assert ops >= {"paged_store", "qsa_compress_keys_paged", "qsa_load_block_keys_paged", "qsa_block_score",
+                   "qsa_select_tokens", "qsa_sparse_attention_paged", "mla_kpool_compress", "mla_kpool_ring_close",
                    "mla_kpool_seed_tail", "mla_kpool_score", "mla_kpool_expand_topk", "mla_sparse_attention_paged"}
     assert all(row["check"]["ok"] for row in report["rows"]) and not report["errors"]
     printed = capsys.readouterr().out

@@ -88,6 +88,35 @@ def assert_bit_exact(actual: torch.Tensor, expected: torch.Tensor) -> None:
         f"{torch.nonzero(differ)[0].tolist()}: {actual.cpu()[differ][:4].tolist()} vs {expected.cpu()[differ][:4].tolist()}")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_block_cache_store_and_load_match_reference(dtype):
+    """The block-key cache: the compress kernel writing blocks ``first_blocks[b] ..`` into pages (the rows before
+    them untouched), and the rows read back in compress's layout, against the reference (bf16/fp16 bit for bit)."""
+    gen = torch.Generator().manual_seed(5)
+    ratio, page_size, layers, head_dim, rotary_dim = 4, 8, 2, 24, 8
+    counts = [23, 0, 9, 40]
+    first = torch.tensor([2, 0, 1, 3], dtype=torch.int32, device=DEVICE)
+    table = make_table(counts, page_size, 24, gen)
+    blocks = make_blocks(24, 1, layers, page_size, 1, head_dim, dtype, 8, gen)
+    block_blocks = poisoned((24, 1, layers, page_size // ratio, 1, head_dim), dtype)
+    gamma = (0.3 * torch.randn(head_dim, generator=gen)).to(DEVICE)
+    freqs = rope_freqs_cis(64, rotary_dim, theta=1e4, device=DEVICE)
+    key_counts = torch.tensor(counts, dtype=torch.int32, device=DEVICE)
+    most_new = max(n // ratio - int(f) for n, f in zip(counts, first.tolist()))
+    expected, actual = block_blocks.clone(), block_blocks.clone()
+    ref.qsa_store_block_keys_paged(expected, gamma, freqs, key_counts, first, blocks, table, 1, ratio, 1e-6, most_new)
+    tri.qsa_store_block_keys_paged(actual, gamma, freqs, key_counts, first, blocks, table, 1, ratio, 1e-6, most_new)
+    check = assert_bit_exact if dtype != torch.float32 else assert_spec_close
+    check(actual, expected)
+    filled = block_blocks.clone()  # every block stored, then read back with max_blocks cutting sequence 3
+    ref.qsa_store_block_keys_paged(filled, gamma, freqs, key_counts, torch.zeros_like(first), blocks, table, 1, ratio,
+                                   1e-6, 10)
+    expected, actual = poisoned((4 * 7, head_dim), dtype), poisoned((4 * 7, head_dim), dtype)
+    ref.qsa_load_block_keys_paged(expected, key_counts, filled, table, 1, ratio)
+    tri.qsa_load_block_keys_paged(actual, key_counts, filled, table, 1, ratio)
+    assert_bit_exact(actual, expected)
+
+
 def test_compress_bf16_bit_exact_ratio3():
     gen = torch.Generator().manual_seed(11)
     ratio, page_size, head_dim = 3, 4, 32

@@ -64,9 +64,11 @@ def _store_block_keys_op(
     layer: int,
     ratio: int,
     eps: float,
+    max_new_blocks: int,
 ) -> None:
     kernel("qsa", "qsa_store_block_keys_paged", block_blocks.device)(
-        block_blocks, gamma, freqs_cis, key_counts, first_blocks, blocks, lookup_table, layer, ratio, eps
+        block_blocks, gamma, freqs_cis, key_counts, first_blocks, blocks, lookup_table, layer, ratio, eps,
+        max_new_blocks
     )
 
 
@@ -339,7 +341,7 @@ def qsa_store_block_keys_paged(
         if c.device.type != "cpu":  # CPU kernels check pages themselves before reading
             check_needed_pages(c.lookup_table, c.num_pages, c.page_size, torch.from_numpy(num_blocks * ratio))
     _store_block_keys_op(bc.blocks, gamma, freqs_cis, key_counts, bc.cache_lengths, c.blocks, c.lookup_table,
-                         layer_idx, ratio, eps)
+                         layer_idx, ratio, eps, bc.max_seq_length)
 
 
 def qsa_load_block_keys_paged(

@@ -285,7 +285,7 @@ def qsa_compress_keys_paged(block_keys, gamma, freqs_cis, key_counts, blocks, lo
 
 
 def qsa_store_block_keys_paged(block_blocks, gamma, freqs_cis, key_counts, first_blocks, blocks, lookup_table, layer,
-                               ratio, eps):
+                               ratio, eps, max_new_blocks):
     """Same contract as :func:`sparsekv.kernels.reference.qsa.qsa_store_block_keys_paged`."""
     num_blocks = key_counts.numpy().astype(np.int64) // ratio
     first = first_blocks.numpy().astype(np.int64)

@@ -145,6 +145,7 @@ def qsa_store_block_keys_paged(
     layer: int,
     ratio: int,
     eps: float,
+    max_new_blocks: int,
 ) -> None:
     """Compress the blocks ``first_blocks[b] .. key_counts[b] // ratio - 1`` of each sequence (as
     :func:`qsa_compress_keys_paged` pools them) and store block ``j`` in a block-key cache.
@@ -155,6 +156,8 @@ def qsa_store_block_keys_paged(
             both): block ``j`` of sequence ``b`` goes to row ``j % P`` of page ``lookup_table[b, j // P]``,
             plane 0 of ``layer``. Nothing else is written.
         first_blocks: ``[B]`` int32, the blocks already stored (``<= key_counts[b] // ratio``).
+        max_new_blocks: at least ``key_counts[b] // ratio - first_blocks[b]`` for every ``b`` (a GPU
+            kernel's grid size; unused here).
         The others as for :func:`qsa_compress_keys_paged`.
 
     Example: ``key_counts = [9]``, ``first_blocks = [1]``, ``ratio = 4``: block 1 (tokens 4..7) is stored;

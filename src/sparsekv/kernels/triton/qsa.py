@@ -41,7 +41,8 @@ from ._common import (
 )
 from ._score import launch_score
 
-__all__ = ["qsa_block_score", "qsa_compress_keys_paged", "qsa_sparse_attention_paged"]
+__all__ = ["qsa_block_score", "qsa_compress_keys_paged", "qsa_load_block_keys_paged", "qsa_sparse_attention_paged",
+           "qsa_store_block_keys_paged"]
 
 
 # ---------------------------------------------------------------------------
@@ -65,16 +66,25 @@ def _add_squares_in_order(total, x, columns, NUM_COLUMNS: tl.constexpr):
 
 @triton.jit
 def _compress_kernel(
-    out_ptr, gamma_ptr, freqs_ptr, key_counts_ptr, blocks_ptr, lookup_ptr,
+    out_ptr, gamma_ptr, freqs_ptr, key_counts_ptr, blocks_ptr, lookup_ptr, first_ptr,
     max_blocks, num_pages, max_pages, lookup_stride, page_stride, layer_offset, freq_rows, freqs_stride,
-    out_stride, eps,
+    out_stride, out_layer_offset, eps,
     RATIO: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, PAGE_SIZE: tl.constexpr,
     ROW_WIDTH: tl.constexpr, DTYPE: tl.constexpr,
-    BJ: tl.constexpr, BH: tl.constexpr, BP: tl.constexpr,
+    BJ: tl.constexpr, BH: tl.constexpr, BP: tl.constexpr, PAGED_OUT: tl.constexpr,
 ):
+    """Blocks of one sequence, ``BJ`` per program. ``PAGED_OUT`` false: blocks ``0 .. max_blocks - 1`` into rows
+    ``seq * max_blocks + j`` of ``out`` (``out_stride`` apart), zeros past the complete ones. ``PAGED_OUT``
+    true: blocks ``first[seq] ..`` up to the complete ones into a block-key cache, block ``j`` in row ``j %
+    (PAGE_SIZE // RATIO)`` of the page the lookup table gives (pages ``out_stride`` apart, the layer at
+    ``out_layer_offset``); nothing else is written."""
     seq = tl.program_id(0)
-    blocks_j = tl.program_id(1) * BJ + tl.arange(0, BJ)
-    num_blocks = tl.minimum(tl.maximum(tl.load(key_counts_ptr + seq), 0) // RATIO, max_blocks)
+    if PAGED_OUT:
+        blocks_j = tl.load(first_ptr + seq) + tl.program_id(1) * BJ + tl.arange(0, BJ)
+        num_blocks = tl.maximum(tl.load(key_counts_ptr + seq), 0) // RATIO
+    else:
+        blocks_j = tl.program_id(1) * BJ + tl.arange(0, BJ)
+        num_blocks = tl.minimum(tl.maximum(tl.load(key_counts_ptr + seq), 0) // RATIO, max_blocks)
     j_ok = blocks_j < num_blocks
 
     # Channels split into the two rotated halves and the pass-through rest,
@@ -128,13 +138,40 @@ def _compress_kernel(
     y_lo = round_to(x_lo * cos - x_hi * sin, DTYPE)
     y_hi = round_to(x_hi * cos + x_lo * sin, DTYPE)
 
-    # 4. store; blocks past the sequence's complete blocks are zero rows.
+    # 4. store; blocks past the sequence's complete blocks are zero rows (in a block-key cache: not written).
     keep = j_ok[:, None]
-    out_at = out_ptr + (seq * max_blocks + blocks_j).to(tl.int64)[:, None] * out_stride
-    store_ok = (blocks_j < max_blocks)[:, None]
+    if PAGED_OUT:
+        page, page_row, valid = lookup_page(lookup_ptr, lookup_stride, seq, blocks_j, max_pages, num_pages,
+                                            PAGE_SIZE // RATIO)
+        out_at = out_ptr + (page * out_stride + out_layer_offset + page_row.to(tl.int64) * HEAD_DIM)[:, None]
+        store_ok = (j_ok & valid)[:, None]
+    else:
+        out_at = out_ptr + (seq * max_blocks + blocks_j).to(tl.int64)[:, None] * out_stride
+        store_ok = (blocks_j < max_blocks)[:, None]
     tl.store(out_at + half_ch[None, :], tl.where(keep, y_lo, 0.0), mask=store_ok & half_ok[None, :])
     tl.store(out_at + HALF + half_ch[None, :], tl.where(keep, y_hi, 0.0), mask=store_ok & half_ok[None, :])
     tl.store(out_at + pass_ch[None, :], tl.where(keep, x_rest, 0.0), mask=store_ok & pass_ok[None, :])
+
+
+@triton.jit
+def _load_blocks_kernel(
+    out_ptr, key_counts_ptr, blocks_ptr, lookup_ptr,
+    max_blocks, num_pages, max_pages, lookup_stride, page_stride, layer_offset, out_stride,
+    RATIO: tl.constexpr, HEAD_DIM: tl.constexpr, PER_PAGE: tl.constexpr, BJ: tl.constexpr, BD: tl.constexpr,
+):
+    """Rows ``seq * max_blocks + j`` of ``out``, ``BJ`` per program: block ``j`` of the block-key cache (row ``j %
+    PER_PAGE`` of its page) while ``j`` is below the sequence's complete blocks, else zero."""
+    seq = tl.program_id(0)
+    blocks_j = tl.program_id(1) * BJ + tl.arange(0, BJ)
+    num_blocks = tl.minimum(tl.maximum(tl.load(key_counts_ptr + seq), 0) // RATIO, max_blocks)
+    page, page_row, valid = lookup_page(lookup_ptr, lookup_stride, seq, blocks_j, max_pages, num_pages, PER_PAGE)
+    channels = tl.arange(0, BD)
+    channel_ok = channels < HEAD_DIM
+    read = ((blocks_j < num_blocks) & valid)[:, None] & channel_ok[None, :]
+    rows = tl.load(blocks_ptr + (page * page_stride + layer_offset + page_row.to(tl.int64) * HEAD_DIM)[:, None]
+                   + channels[None, :], mask=read, other=0.0)
+    out_at = out_ptr + (seq * max_blocks + blocks_j).to(tl.int64)[:, None] * out_stride + channels[None, :]
+    tl.store(out_at, rows, mask=(blocks_j < max_blocks)[:, None] & channel_ok[None, :])
 
 
 def qsa_compress_keys_paged(
@@ -180,14 +217,92 @@ def qsa_compress_keys_paged(
     grid = (batch, triton.cdiv(max_blocks, block_j))
     row_width = num_heads * head_dim
     _compress_kernel[grid](
-        block_keys, gamma, freqs_cis, key_counts, blocks, lookup_table,
+        block_keys, gamma, freqs_cis, key_counts, blocks, lookup_table, key_counts,
         max_blocks, blocks.shape[0], lookup_table.shape[1], lookup_table.stride(0), page_stride_of(blocks),
         layer * page_size * row_width, freqs_cis.shape[0], freqs_cis.stride(0),
-        block_keys.stride(0), float(eps),
+        block_keys.stride(0), 0, float(eps),
         RATIO=ratio, HEAD_DIM=head_dim, HALF=half, PAGE_SIZE=page_size, ROW_WIDTH=row_width,
         DTYPE=TL_DTYPES[block_keys.dtype],
-        BJ=block_j, BH=next_pow2(half), BP=next_pow2(head_dim - 2 * half),
+        BJ=block_j, BH=next_pow2(half), BP=next_pow2(head_dim - 2 * half), PAGED_OUT=False,
         enable_fp_fusion=False,  # keep each product rounded like the reference
+    )
+
+
+def qsa_store_block_keys_paged(
+    block_blocks: torch.Tensor,
+    gamma: torch.Tensor,
+    freqs_cis: torch.Tensor,
+    key_counts: torch.Tensor,
+    first_blocks: torch.Tensor,
+    blocks: torch.Tensor,
+    lookup_table: torch.Tensor,
+    layer: int,
+    ratio: int,
+    eps: float,
+    max_new_blocks: int,
+) -> None:
+    """The compress kernel over blocks ``first_blocks[b] ..`` of each sequence, written into the block-key
+    cache (see the reference); one program per (sequence, ``BJ`` of at most ``max_new_blocks`` new blocks)."""
+    batch = key_counts.shape[0]
+    if batch == 0 or max_new_blocks <= 0:
+        return
+    head_dim = block_blocks.shape[-1]
+    _, _, _, page_size, num_heads, _ = blocks.shape
+    if _common.host_checks(block_blocks.device):
+        needed = key_counts.to(torch.int64) // ratio
+        check_freqs_cis_rows(freqs_cis.shape[0], needed, ratio)
+        check_needed_pages(lookup_table, blocks.shape[0], page_size, needed * ratio)
+        check_needed_pages(lookup_table, block_blocks.shape[0], block_blocks.shape[3], needed)
+    gamma, freqs_cis = gamma.contiguous(), unit_stride(freqs_cis)
+    key_counts, first_blocks = unit_stride(key_counts), unit_stride(first_blocks)
+    lookup_table = unit_stride(lookup_table)
+    half = freqs_cis.shape[1] // 2
+    block_j = max(1, min(32, 4096 // next_pow2(head_dim)))
+    grid = (batch, triton.cdiv(max_new_blocks, block_j))
+    row_width = num_heads * head_dim
+    per_page = block_blocks.shape[3]
+    _compress_kernel[grid](
+        block_blocks, gamma, freqs_cis, key_counts, blocks, lookup_table, first_blocks,
+        0, blocks.shape[0], lookup_table.shape[1], lookup_table.stride(0), page_stride_of(blocks),
+        layer * page_size * row_width, freqs_cis.shape[0], freqs_cis.stride(0),
+        page_stride_of(block_blocks), layer * per_page * head_dim, float(eps),
+        RATIO=ratio, HEAD_DIM=head_dim, HALF=half, PAGE_SIZE=page_size, ROW_WIDTH=row_width,
+        DTYPE=TL_DTYPES[block_blocks.dtype],
+        BJ=block_j, BH=next_pow2(half), BP=next_pow2(head_dim - 2 * half), PAGED_OUT=True,
+        enable_fp_fusion=False,
+    )
+
+
+def qsa_load_block_keys_paged(
+    block_keys: torch.Tensor,
+    key_counts: torch.Tensor,
+    block_blocks: torch.Tensor,
+    lookup_table: torch.Tensor,
+    layer: int,
+    ratio: int,
+) -> None:
+    """Rows of a block-key cache copied out in compress's layout (see the reference); one program per
+    (sequence, ``BJ`` rows). A missing page reads as zeros."""
+    batch = key_counts.shape[0]
+    if batch == 0 or block_keys.shape[0] == 0:
+        return
+    max_blocks = block_keys.shape[0] // batch
+    head_dim, per_page = block_keys.shape[1], block_blocks.shape[3]
+    if _common.host_checks(block_keys.device):
+        needed = torch.clamp(key_counts.to(torch.int64) // ratio, max=max_blocks)
+        check_needed_pages(lookup_table, block_blocks.shape[0], per_page, needed)
+    if block_keys.stride(1) != 1:
+        packed = torch.empty(block_keys.shape, dtype=block_keys.dtype, device=block_keys.device)
+        qsa_load_block_keys_paged(packed, key_counts, block_blocks, lookup_table, layer, ratio)
+        block_keys.copy_(packed)
+        return
+    key_counts, lookup_table = unit_stride(key_counts), unit_stride(lookup_table)
+    block_j = max(1, min(64, 8192 // next_pow2(head_dim)))
+    _load_blocks_kernel[(batch, triton.cdiv(max_blocks, block_j))](
+        block_keys, key_counts, block_blocks, lookup_table,
+        max_blocks, block_blocks.shape[0], lookup_table.shape[1], lookup_table.stride(0),
+        page_stride_of(block_blocks), layer * per_page * head_dim, block_keys.stride(0),
+        RATIO=ratio, HEAD_DIM=head_dim, PER_PAGE=per_page, BJ=block_j, BD=next_pow2(head_dim),
     )
 
 
