@@ -42,6 +42,8 @@ slot_ids = torch.tensor([0], dtype=torch.int32)
 mgr = sparsekv.PagedKVCacheManager(
     [sparsekv.CacheGroupSpec("main", kv_planes=2, num_layers=1, num_heads=kv_heads, head_size=head_size, dtype=dtype),
      sparsekv.CacheGroupSpec("indexer", kv_planes=1, num_layers=1, num_heads=1, head_size=index_dim, dtype=dtype),
+     sparsekv.CacheGroupSpec("blocks", kv_planes=1, num_layers=1, num_heads=1, head_size=index_dim, dtype=dtype,
+                             tokens_per_entry=ratio),
      sparsekv.CacheGroupSpec("kpool", kv_planes=1, num_layers=1, num_heads=1, head_size=index_dim, dtype=dtype,
                              tokens_per_entry=kpool),
      sparsekv.CacheGroupSpec("latent", kv_planes=1, num_layers=1, num_heads=1, head_size=kv_lora_rank + rope_dim,
@@ -74,6 +76,12 @@ for token_ids in (prompt[:32], prompt[32:], [7], [8], [9]):  # chunked prefill, 
     max_blocks = 256 // ratio
     block_keys = sparsekv.qsa_compress_keys_paged(gamma, freqs_cis, key_counts, indexer_coll, 0,
                                                   ratio=ratio, eps=1e-6, max_blocks=max_blocks)
+    # or pool each block once, in the step that completes it, into a block-key cache and read them back
+    blocks_coll = batch.collection("blocks")
+    sparsekv.qsa_store_block_keys_paged(gamma, freqs_cis, key_counts, indexer_coll, blocks_coll, 0,
+                                        ratio=ratio, eps=1e-6)
+    assert torch.equal(sparsekv.qsa_load_block_keys_paged(key_counts, blocks_coll, 0, ratio=ratio,
+                                                          max_blocks=max_blocks), block_keys)  # the same bits
     scores = sparsekv.qsa_block_score(q, block_keys, query_positions, input_row_offsets,
                                       ratio=ratio, score_scale=index_dim ** 0.5)
     indices, counts = sparsekv.qsa_select_tokens(scores, query_positions, input_row_offsets,
