@@ -44,8 +44,10 @@ import torch
 import torch.nn.functional as F
 
 from ..cache.layout import PagedKVCacheCollection
+from ..cache.pooled import make_pooled_collection
 from ..numerics import rope_freqs_cis
-from ..ops.qsa import qsa_block_score, qsa_compress_keys_paged, qsa_select_tokens, qsa_sparse_attention_paged
+from ..ops.qsa import (qsa_block_score, qsa_compress_keys_paged, qsa_load_block_keys_paged, qsa_select_tokens,
+                       qsa_sparse_attention_paged, qsa_store_block_keys_paged)
 from .common import (DTYPE_NAMES, PAGE_SIZE, BenchRow, backend, copy_peer, one_thread, random_paged_blocks,
                      gather_peer, read_peer, threads_check, time_interleaved)
 from .peak import tile_peak_peer
@@ -142,6 +144,39 @@ def bench_compress(batch: int, keys: int, dtype: torch.dtype, max_python: str | 
                     DTYPE_NAMES[dtype], "cpu", ours, nbytes, peers, _max_note(peer, peers), paired)
 
 
+def bench_block_cache(batch: int, keys: int, dtype: torch.dtype, max_python: str | None,
+                      threads: int | None = None, check_threads: bool = False) -> BenchRow:
+    """The same decode step's block keys through a block-key cache: the blocks the step completes stored
+    (sequence ``b`` holds ``keys - b`` tokens, so one in ``R`` completes one), every block read back in
+    compress's layout. Peers: ``compress``, the same output pooled from every raw key (SPEC 2.2's way),
+    and MAX's compress of the same step."""
+    generator = torch.Generator().manual_seed(0)
+    key_counts = (keys - torch.arange(batch)).to(torch.int32)
+    blocks, table = random_paged_blocks(batch, keys, 1, 1, HEAD_DIM, dtype, generator)
+    cache = PagedKVCacheCollection(blocks, key_counts - 1, table, max_seq_length=1, max_cache_length=keys)
+    block_blocks = torch.randn(blocks.shape[0], 1, 1, PAGE_SIZE // RATIO, 1, HEAD_DIM, generator=generator).to(dtype)
+    block_cache = make_pooled_collection(block_blocks, key_counts - 1, table, kpool=RATIO)
+    gamma = (0.1 * torch.randn(HEAD_DIM, generator=generator)).to(dtype)
+    freqs = rope_freqs_cis(keys, ROTARY_DIM, THETA)
+    max_blocks = keys // RATIO
+    out = torch.empty(batch * max_blocks, HEAD_DIM, dtype=dtype)
+    pooled = torch.empty_like(out)
+
+    def call():
+        qsa_store_block_keys_paged(gamma, freqs, key_counts, cache, block_cache, 0, ratio=RATIO, eps=EPS)
+        qsa_load_block_keys_paged(key_counts, block_cache, 0, ratio=RATIO, out=out)
+
+    def compress():
+        qsa_compress_keys_paged(gamma, freqs, key_counts, cache, 0, ratio=RATIO, eps=EPS, out=pooled)
+
+    nbytes = 2 * out.numel() * out.element_size()  # the rows read back and written out
+    with max_peer(max_python, "compress", batch, keys, dtype, threads) as peer:
+        ours, peers, paired = _time_with_peers(call, peer, check_threads=check_threads, copy=copy_peer(nbytes),
+                                               **({} if check_threads else {"compress": compress}))
+    return BenchRow("qsa_store+load_block_keys", f"B={batch} keys={keys}-b D=128 R=4 rot=64 page=128",
+                    DTYPE_NAMES[dtype], "cpu", ours, nbytes, peers, _max_note(peer, peers), paired)
+
+
 def bench_block_score(batch: int, keys: int, rows_per_seq: int, dtype: torch.dtype,
                       max_python: str | None, threads: int | None = None, check_threads: bool = False) -> BenchRow:
     """Rows at each sequence's last positions, 4 index heads, against its block keys."""
@@ -234,7 +269,7 @@ def bench_sparse_attention(batch: int, cached: int, dtype: torch.dtype, check_th
     return BenchRow("qsa_sparse_attention_paged", shape, DTYPE_NAMES[dtype], "cpu", ours, nbytes, peers, note)
 
 
-OPS = ("compress", "block_score", "select", "sparse_attention")
+OPS = ("compress", "block_cache", "block_score", "select", "sparse_attention")
 
 
 def run(quick: bool = False, max_python: str | None = None, threads: int | None = None,
@@ -264,6 +299,10 @@ def run(quick: bool = False, max_python: str | None = None, threads: int | None 
         for dtype in dtypes:
             for keys in key_sizes:
                 rows.append(bench_compress(4, keys, dtype, max_python, threads, check_threads))
+    if "block_cache" in ops:
+        for dtype in dtypes:
+            for keys in key_sizes:
+                rows.append(bench_block_cache(4, keys, dtype, max_python, threads, check_threads))
     if "block_score" in ops:
         for dtype in dtypes:
             for keys in key_sizes:

@@ -241,17 +241,24 @@ def _store_blocks_kernel(target, target_stride, target_base, blocks_per_page, ke
 def _load_blocks_kernel(out, source, source_stride, source_base, blocks_per_page, table, num_blocks):
     """``out [B*max_blocks, D]``: row ``b*max_blocks + j`` = block ``j`` of sequence ``b`` from the flat
     block-key cache ``source`` (laid out as for :func:`_store_blocks_kernel`) for ``j < num_blocks[b]``, zero
-    elsewhere."""
+    elsewhere. One task per (sequence, logical page): a page's blocks are ``blocks_per_page`` consecutive rows
+    in the cache and in ``out``, so each task is one contiguous copy (a copy per row, with its page lookup
+    and division, took twice as long)."""
     rows, dim = out.shape
-    max_blocks = rows // num_blocks.shape[0]
-    for row in prange(rows):
-        b, j = row // max_blocks, row % max_blocks
-        out_row = out[row]
-        if j < num_blocks[b]:
-            start = table[b, j // blocks_per_page] * source_stride + source_base + j % blocks_per_page * dim
-            copy_row(out_row, source[start : start + dim])
-        else:
-            out_row[:] = 0
+    batch = num_blocks.shape[0]
+    max_blocks = rows // batch
+    pages_per_sequence = (max_blocks + blocks_per_page - 1) // blocks_per_page
+    flat_out = out.reshape(rows * dim)
+    for task in prange(batch * pages_per_sequence):
+        b, page = task // pages_per_sequence, task % pages_per_sequence
+        first = page * blocks_per_page
+        end = min(first + blocks_per_page, max_blocks)
+        stored = min(max(num_blocks[b] - first, 0), end - first)
+        target = flat_out[(b * max_blocks + first) * dim : (b * max_blocks + end) * dim]
+        if stored > 0:
+            start = table[b, page] * source_stride + source_base
+            copy_row(target[: stored * dim], source[start : start + stored * dim])
+        target[stored * dim :] = 0
 
 
 def _checked_block_sources(freqs_cis, num_blocks, blocks, lookup_table, ratio, dtype):
