@@ -82,9 +82,12 @@ def reference(checkpoint):
     return ids, mask, out.sequences, torch.stack(out.logits, dim=1)
 
 
-def test_generate_matches_hf_and_frees_pages(checkpoint, reference):
+@pytest.mark.parametrize("page_size", [8, 6], ids=["block_key_cache", "no_block_key_cache"])
+def test_generate_matches_hf_and_frees_pages(checkpoint, reference, page_size):
+    """With a block-key cache (the page size a multiple of the indexer's ratio 4) and without one."""
     ids, mask, ref_tokens, ref_logits = reference
-    model = patch_model(load(checkpoint), page_size=8, num_pages=32)
+    model = patch_model(load(checkpoint), page_size=page_size, num_pages=48)
+    assert ("index_blocks" in get_manager(model).metrics().groups) == (page_size % 4 == 0)
     for _ in range(2):  # two generations in a row: the second starts from a clean manager
         out = generate(model, ids, mask)
         assert torch.equal(out.sequences, ref_tokens)
