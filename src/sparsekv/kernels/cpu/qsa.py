@@ -139,6 +139,25 @@ def _rounded_rotation(cosines, sines, pairs, like):
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
+def _norm_scales(gamma):
+    """``1 + gamma`` as float32 ``[D]``: the zero-centred RMSNorm's per-channel scales."""
+    scales = np.empty(gamma.shape[0], np.float32)
+    for d in range(gamma.shape[0]):
+        scales[d] = np.float32(1.0) + gamma[d]
+    return scales
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _group_inverse_rms(acc, squares, inv_rms, eps):
+    """``inv_rms[k] = 1 / sqrt(mean(acc[k] ** 2) + eps)`` for the ``SQUARE_SUM_ROWS`` rows of ``acc [16, D]``
+    (sums of squares in channel order, the rows as the lanes of a vector; rows without data give values to
+    ignore)."""
+    square_sums_in_order(acc, squares)
+    for k in range(SQUARE_SUM_ROWS):
+        inv_rms[k] = np.float32(1.0) / np.sqrt(squares[k] / np.float32(acc.shape[1]) + np.float32(eps))
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
 def _inverse_ratio(ratio):
     """``1 / R`` where ``x / R == x * (1/R)`` exactly (``R`` a power of two: both round the same exact value),
     else 0 (divide)."""
@@ -158,9 +177,7 @@ def _compress_kernel(out, keys, page_stride, base, page_size, table, num_blocks,
     rotations = np.empty((min(max_blocks, np.max(num_blocks)), 2, half), np.float32)
     for j in prange(rotations.shape[0]):
         _rounded_rotation(rotations[j, 0], rotations[j, 1], freqs[j * ratio], out)
-    scales = np.empty(dim, np.float32)
-    for d in range(dim):
-        scales[d] = np.float32(1.0) + gamma[d]
+    scales = _norm_scales(gamma)
     inverse_ratio = _inverse_ratio(ratio)
     tasks = (rows + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK
     for task in prange(tasks):
@@ -177,10 +194,7 @@ def _compress_kernel(out, keys, page_stride, base, page_size, table, num_blocks,
                     acc[k, :] = 0.0
                 else:
                     _pooled_mean(acc[k], keys, page_stride, base, page_size, table, b, j, ratio, inverse_ratio, out)
-            # 2. sums of squares in channel order, the group's blocks as the lanes of a vector
-            square_sums_in_order(acc, squares)
-            for k in range(SQUARE_SUM_ROWS):
-                inv_rms[k] = np.float32(1.0) / np.sqrt(squares[k] / np.float32(dim) + np.float32(eps))
+            _group_inverse_rms(acc, squares, inv_rms, eps)  # 2. sums of squares in channel order
             for k in range(group):  # 3. RMSNorm, RoPE, store
                 row = group_start + k
                 b, j = row // max_blocks, row % max_blocks
@@ -206,9 +220,7 @@ def _store_blocks_kernel(target, target_stride, target_base, blocks_per_page, ke
     for b in range(batch):
         row_starts[b + 1] = row_starts[b] + max(num_blocks[b] - first_blocks[b], 0)
     rows = row_starts[batch]
-    scales = np.empty(dim, np.float32)
-    for d in range(dim):
-        scales[d] = np.float32(1.0) + gamma[d]
+    scales = _norm_scales(gamma)
     inverse_ratio = _inverse_ratio(ratio)
     tasks = (rows + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK
     for task in prange(tasks):
@@ -225,9 +237,7 @@ def _store_blocks_kernel(target, target_stride, target_base, blocks_per_page, ke
                 b = np.searchsorted(row_starts, row, side="right") - 1
                 j = first_blocks[b] + row - row_starts[b]
                 _pooled_mean(acc[k], keys, page_stride, base, page_size, table, b, j, ratio, inverse_ratio, target)
-            square_sums_in_order(acc, squares)
-            for k in range(SQUARE_SUM_ROWS):
-                inv_rms[k] = np.float32(1.0) / np.sqrt(squares[k] / np.float32(dim) + np.float32(eps))
+            _group_inverse_rms(acc, squares, inv_rms, eps)
             for k in range(group):
                 row = group_start + k
                 b = np.searchsorted(row_starts, row, side="right") - 1
