@@ -63,7 +63,7 @@ def _check_report(report: dict, requests: int, context: int, decode: int) -> Non
     assert reads["kv_fraction"] == pytest.approx(reads["kv_bytes_sparse"] / reads["kv_bytes_dense"])
     shares = [entry["share"] for entry in report["time_breakdown"]]
     assert all(entry["seconds"] >= 0 for entry in report["time_breakdown"]) and sum(shares) == pytest.approx(1.0)
-    assert {"qsa.compress", "qsa.score", "qsa.select", "qsa.attention", "kpool.score", "mla.attention"} <= {
+    assert {"qsa.store_blocks", "qsa.score", "qsa.select", "qsa.attention", "kpool.score", "mla.attention"} <= {
         entry["stage"] for entry in report["time_breakdown"]}
     assert [check["name"] for check in report["checks"]] == CHECK_NAMES
     for check in report["checks"]:

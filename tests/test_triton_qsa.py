@@ -115,6 +115,13 @@ def test_block_cache_store_and_load_match_reference(dtype):
     ref.qsa_load_block_keys_paged(expected, key_counts, filled, table, 1, ratio)
     tri.qsa_load_block_keys_paged(actual, key_counts, filled, table, 1, ratio)
     assert_bit_exact(actual, expected)
+    positions = torch.tensor([20, 22, 8, 8, 39, 35], dtype=torch.int32, device=DEVICE)  # 3 rows of seq 0, 1 of 2
+    offsets = torch.tensor([0, 3, 3, 4, 6], dtype=torch.int32, device=DEVICE)          # and 2 of seq 3
+    q = torch.randn(6, 3, head_dim, generator=gen).to(dtype).to(DEVICE)
+    expected, actual = poisoned((6, 9), torch.float32), poisoned((6, 9), torch.float32)  # 9 columns cut seq 3
+    ref.qsa_block_score_paged(expected, q, filled, table, positions, offsets, 1, ratio, 4.0)
+    tri.qsa_block_score_paged(actual, q, filled, table, positions, offsets, 1, ratio, 4.0)
+    assert_spec_close(actual, expected)
 
 
 def test_compress_bf16_bit_exact_ratio3():

@@ -15,7 +15,7 @@ STAGE_LABELS = {
     "qsa.norm_rope": "q/k norms + RoPE",
     "cache.store": "paged store (K, V, raw indexer keys, MLA latent rows)",
     "qsa.store_blocks": "qsa_store_block_keys_paged (the blocks a call completes)",
-    "qsa.compress": "QSA block keys read back (or pooled: qsa_compress_keys_paged)",
+    "qsa.compress": "qsa_compress_keys_paged (a layer without a block-key cache)",
     "qsa.score": "qsa_block_score",
     "qsa.select": "qsa_select_tokens",
     "qsa.attention": "qsa_sparse_attention_paged",

@@ -30,7 +30,7 @@ Choices where the SPEC is silent:
 One call (SPEC 2.6): project -> store raw indexer keys and main K/V ->
 compress every complete block -> score -> select -> sparse attention -> o_proj.
 With a block-key cache, the compress step pools only the blocks the call
-completes and reads the others back from the cache.
+completes into the cache, and the score reads the blocks where they lie there.
 
 Tensor parallel (``process_group``, see ``layers/tensor_parallel.py``): a rank
 holds its slice of the query/gate and KV heads (column-parallel ``q_proj``,
@@ -51,7 +51,7 @@ from torch import nn
 from ..cache.layout import PagedKVCacheCollection
 from ..numerics import apply_rope_neox, rms_norm_zero_centred, rope_freqs_cis
 from ..ops.cache import paged_store
-from ..ops.qsa import (qsa_block_score, qsa_compress_keys_paged, qsa_load_block_keys_paged, qsa_select_tokens,
+from ..ops.qsa import (qsa_block_score, qsa_block_score_paged, qsa_compress_keys_paged, qsa_select_tokens,
                        qsa_sparse_attention_paged, qsa_store_block_keys_paged)
 from ._common import StageTimerLike, batch_positions, frozen_linear, no_timer
 from .config import Qwen4ExpConfig
@@ -164,26 +164,27 @@ class QSAIndexer(nn.Module):
         read), SPEC 2.4 selects every causal token: the selection is then
         written directly, the same indices in the same order, without
         compressing or scoring. With a ``block_cache`` that :meth:`store_blocks`
-        has brought up to this call, the block keys are read from it instead of
-        pooled again (the same bits).
+        has brought up to this call, the blocks are scored where they lie in it
+        instead of pooled again (the same bits).
         """
         width = self.budget + self.ratio - 1
         if index_cache.max_cache_length + index_cache.max_seq_length <= width:
             with timer("qsa.select"):
                 return every_causal_token(positions, width)
-        key_counts = key_counts_after_call(index_cache, input_row_offsets)
         max_blocks = (index_cache.max_cache_length + index_cache.max_seq_length) // self.ratio
-        with timer("qsa.compress"):
-            if block_cache is None:
+        if block_cache is None:
+            with timer("qsa.compress"):
                 block_keys = qsa_compress_keys_paged(
-                    self.k_layernorm.weight, freqs_cis, key_counts, index_cache, cache_layer,
-                    ratio=self.ratio, eps=self.eps, max_blocks=max_blocks)
-            else:
-                block_keys = qsa_load_block_keys_paged(key_counts, block_cache, cache_layer, ratio=self.ratio,
-                                                       max_blocks=max_blocks)
-        with timer("qsa.score"):
-            scores = qsa_block_score(index_q, block_keys, positions, input_row_offsets, ratio=self.ratio,
-                                     score_scale=math.sqrt(self.head_dim))
+                    self.k_layernorm.weight, freqs_cis, key_counts_after_call(index_cache, input_row_offsets),
+                    index_cache, cache_layer, ratio=self.ratio, eps=self.eps, max_blocks=max_blocks)
+            with timer("qsa.score"):
+                scores = qsa_block_score(index_q, block_keys, positions, input_row_offsets, ratio=self.ratio,
+                                         score_scale=math.sqrt(self.head_dim))
+        else:
+            with timer("qsa.score"):
+                scores = qsa_block_score_paged(index_q, block_cache, cache_layer, positions, input_row_offsets,
+                                               ratio=self.ratio, score_scale=math.sqrt(self.head_dim),
+                                               out_cols=max_blocks)
         with timer("qsa.select"):
             indices, counts = qsa_select_tokens(scores, positions, input_row_offsets, ratio=self.ratio,
                                                 budget=self.budget)
@@ -283,8 +284,8 @@ class QSAAttention(nn.Module):
         block-key cache (``index_cache``'s pages, ``page_size // R`` rows each,
         ``cache_lengths // R`` blocks cached; a cache manager's group with
         ``tokens_per_entry = R``): each call pools only the blocks it completes
-        and keeps them there, and the indexer reads the others back instead of
-        pooling every block again (same bits). Pass it on every call of the
+        and keeps them there, and the indexer scores the blocks there instead
+        of pooling every block again (same bits). Pass it on every call of the
         sequences it serves, or on none. Returns a :class:`QSAResult`.
         """
         if mode not in ("sparse", "dense"):

@@ -102,6 +102,23 @@ def _block_score_op(
 
 
 
+@out_op("qsa_block_score_paged", mutates_args=("scores",))
+def _block_score_paged_op(
+    scores: torch.Tensor,
+    q: torch.Tensor,
+    block_blocks: torch.Tensor,
+    lookup_table: torch.Tensor,
+    query_positions: torch.Tensor,
+    input_row_offsets: torch.Tensor,
+    layer: int,
+    ratio: int,
+    score_scale: float,
+) -> None:
+    kernel("qsa", "qsa_block_score_paged", scores.device)(
+        scores, q, block_blocks, lookup_table, query_positions, input_row_offsets, layer, ratio, score_scale
+    )
+
+
 @out_op("qsa_sparse_attention_paged", mutates_args=("out", "lse"))
 def _sparse_attention_op(
     out: torch.Tensor,
@@ -454,6 +471,71 @@ def qsa_block_score(
         if not out.is_contiguous():
             raise ValueError("out (scores): expected a contiguous tensor")
     _block_score_op(out, q, block_keys, positions, offsets, ratio, score_scale)
+    return out
+
+
+def qsa_block_score_paged(
+    q: torch.Tensor,
+    block_cache: PagedKVCacheCollection,
+    layer_idx: int,
+    query_positions: torch.Tensor,
+    input_row_offsets: torch.Tensor,
+    *,
+    ratio: int,
+    score_scale: float,
+    out_cols: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`qsa_block_score` over the block keys of a block-key cache, read where they lie in its pages.
+
+    The same scores, bit for bit, as :func:`qsa_block_score` on
+    :func:`qsa_load_block_keys_paged`'s output with ``max_blocks = out_cols``,
+    without that copy of every block key: row ``r`` of sequence ``b`` sees
+    blocks ``g < min((t+1) // ratio, out_cols)``, block ``g`` in row ``g % P``
+    of logical page ``g // P`` (``P`` the cache's rows per page).
+
+    Args:
+        q: ``[total_q, n_heads, D]``, the cache's dtype, normed and rotated.
+        block_cache: the cache :func:`qsa_store_block_keys_paged` filled, this call's blocks included.
+        layer_idx: its layer.
+        query_positions: ``[total_q]`` int, ``t >= 0`` of each row in its sequence.
+        input_row_offsets: ``[B+1]`` int, ``B`` the cache's batch size, ``input_row_offsets[-1] == total_q``.
+        ratio, score_scale: as for :func:`qsa_block_score`.
+        out_cols: columns of the output (required unless ``out`` is given).
+        out: optional ``[total_q, out_cols]`` contiguous float32.
+
+    Returns ``scores [total_q, out_cols]`` float32. Raises ``ValueError`` for
+    a missing page (naming the sequence and block).
+    """
+    bc = check_instance("block_cache", block_cache, PagedKVCacheCollection)
+    bc._check_layer(layer_idx)
+    check_int("ratio", ratio, minimum=1)
+    score_scale = check_float("score_scale", score_scale, positive=True)
+    check_tensor("q", q, ndim=3, dtypes=KEY_DTYPES, device=bc.device)
+    if q.dtype != bc.dtype:
+        raise TypeError(f"q: expected dtype {bc.dtype} (same as block_cache), got {q.dtype}")
+    if bc.num_heads != 1:
+        raise ValueError(f"block_cache: expected one key head, got {bc.num_heads} heads")
+    total_q, _, head_dim = q.shape
+    if bc.head_size != head_dim:
+        raise ValueError(f"block_cache: head width {bc.head_size} differs from q's head dim {head_dim}")
+    offsets = check_row_offsets(input_row_offsets, bc.batch_size, total_q, bc.device)
+    positions = check_nonnegative("query_positions", query_positions, device=bc.device)
+    if positions.shape[0] != total_q:
+        raise ValueError(f"query_positions: expected shape ({total_q},) = q rows, got {tuple(positions.shape)}")
+    if out is None:
+        if out_cols is None:
+            raise ValueError("out_cols: required when out is not given")
+        check_int("out_cols", out_cols, minimum=0)
+        out = torch.empty(total_q, out_cols, dtype=torch.float32, device=bc.device)
+    else:
+        check_tensor("out (scores)", out, ndim=2, dtypes=(torch.float32,), device=bc.device)
+        if out_cols is not None and out.shape[1] != out_cols:
+            raise ValueError(f"out_cols: {out_cols} disagrees with out's {out.shape[1]} columns")
+        check_tensor("out (scores)", out, shape=(total_q, out.shape[1]))
+        if not out.is_contiguous():
+            raise ValueError("out (scores): expected a contiguous tensor")
+    _block_score_paged_op(out, q, bc.blocks, bc.lookup_table, positions, offsets, layer_idx, ratio, score_scale)
     return out
 
 

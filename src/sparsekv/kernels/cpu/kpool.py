@@ -30,16 +30,8 @@ What each kernel is made of, and why (measured with ``benchmarks/bench_kpool.py`
   cores, so a call gets one thread per 1024 pools (at least one).
 * mode last: a pure gather, already memory-bound in torch; the seed tail (a scatter of
   whole rows) is the reference's, which the op registry runs for the ops this module leaves out.
-* score: one numba pass, one task per (sequence, chunk of 128 pools): the
-  chunk's pooled keys are read in place, page by page, through the page table
-  (bf16 as bits, no copy; the next page prefetched), by each group of the
-  sequence's rows in register tiles (:mod:`._tile_ops`: every dot product the
-  same chain in a fixed channel order; bf16 pairs through ``VDPBF16PS``), then
-  relu and the head-weighted sum in head order, on the tiles in registers
-  (:func:`._score_tasks.write_group_scores`; for GLM's 32 heads 0.51 -> 0.36 us
-  per 128 pools against summing over the transposed dots).
-  So a row's scores do not depend on the rows that share the call (BLAS
-  does not promise that), and nothing is gathered into a copy first.
+* score: the paged score kernel of :mod:`._paged_score` (shared with the QSA
+  block score over a block-key cache), with the head weights.
 """
 
 from __future__ import annotations
@@ -52,12 +44,10 @@ from numba.extending import overload
 
 from ..reference.kpool import score_page_error
 from ._bits import as_numba, copy_row, narrow, widen
-from ._score_tasks import plan_score_tasks, row_group, score_task, write_group_scores
-from ._tile_ir import KEYS_PER_TILE
-from ._tile_ops import KEYS_PER_TASK, dots_of_rows, new_scratch, prefetch_span
 from ._math import exp_f32
 from ._pages import first_missing_page
-from ._parallel import numba_threads, threads_for, worker_tasks
+from ._paged_score import paged_scores, visible_keys
+from ._parallel import numba_threads
 
 _MODE_SOFTMAX, _MODE_MEAN = 0, 1
 _POOLS_PER_TASK = 64  # pools per prange task: enough work to amortise scheduling, small scratch
@@ -296,122 +286,25 @@ def mla_kpool_ring_close(closed, closed_ids, ring, slot_ids, k, gate, ape, input
     closed_ids[seqs] = torch.from_numpy(cached[closing] // kpool).to(closed_ids.dtype)
 
 
-@numba.njit(cache=True, nogil=True)
-def _visibility(positions, offsets, kpool, out_cols):
-    """``(visible [total_q], needed [B], total)``: the pools each row sees (``(t+1)//kpool`` capped at
-    ``out_cols``), the most any row of each sequence sees, and their sum (the work to split)."""
-    batch = offsets.shape[0] - 1
-    visible = np.empty(positions.shape[0], np.int64)
-    needed = np.zeros(batch, np.int64)
-    total = 0
-    for b in range(batch):
-        for r in range(offsets[b], offsets[b + 1]):
-            visible[r] = min(max((np.int64(positions[r]) + 1) // kpool, 0), out_cols)
-            needed[b] = max(needed[b], visible[r])
-            total += visible[r]
-    return visible, needed, total
+def mla_kpool_score(scores, q, head_weights, pooled_blocks, lookup_table, query_positions, input_row_offsets,
+                    kpool, layer):
+    """See :func:`sparsekv.kernels.reference.kpool.mla_kpool_score`.
 
-
-def _check_score_pages(pooled_blocks, lookup_table, needed, query_positions, input_row_offsets, kpool):
-    """The reference's :func:`~sparsekv.kernels.reference.kpool.score_page_error` unless every visible pool
-    has a page (found by a numba loop over the table, without temporaries)."""
+    Every sequence's pages are validated first; then one numba pass
+    (:func:`._paged_score.paged_scores`, shared with the QSA block score over a
+    block-key cache) reads the pooled keys straight from their pages.
+    """
+    if scores.shape[0] == 0:
+        return
+    visible, needed, total_visible = visible_keys(query_positions.numpy(), input_row_offsets.numpy(), kpool,
+                                                  scores.shape[1])
     per_page = pooled_blocks.shape[3]
     seq, pool = first_missing_page(lookup_table.numpy(), pooled_blocks.shape[0], per_page, needed)
     if seq >= 0:
         raise score_page_error(lookup_table, pooled_blocks.shape[0], per_page, query_positions, input_row_offsets,
                                kpool, seq, pool)
-
-
-@numba.njit(cache=True, nogil=True, inline="always")
-def _prefetch_pools(cache, table, b, pool, num_pools, page_stride, base, per_page, dim):
-    """Ask for sequence ``b``'s pools from ``pool`` to the end of its page (none at or past ``num_pools``,
-    whose pages are validated): the page after the one being scored, fetched while it computes. Pages lie
-    anywhere, so the hardware prefetcher cannot run ahead from one to the next (measured with the keys
-    out of the caches: 13-15% of a bf16 decode call)."""
-    if pool < num_pools:
-        slot = pool % per_page
-        start = table[b, pool // per_page] * page_stride + base + slot * dim
-        prefetch_span(cache, start, min(per_page - slot, num_pools - pool) * dim)
-
-
-@numba.njit(parallel=True, cache=True, nogil=True)
-def _score_kernel(scores, q, head_weights, cache, page_stride, base, per_page, table, visible, offsets, threads):
-    """``scores [total_q, out_cols]``; ``q [total_q, heads, D]``; ``cache`` the pooled cache as one flat array:
-    pool slot ``s`` of page ``n`` (this layer) starts at ``cache[n*page_stride + base + s*D]``.
-
-    Task = (sequence, chunk of its pools): each group of the sequence's rows
-    runs over the chunk's pooled keys it sees (none: the group is skipped),
-    page by page, read in place through the page table (:func:`._tile_ops.dots_of_rows`) while the
-    next page is prefetched (:func:`_prefetch_pools`); a row's score is
-    ``sum_h w_h * relu(dot_h)`` summed in head order. ``q_t[group]``
-    holds a row group's queries transposed, ``[D, lanes]``, zero padding lanes.
-    The tasks run as ``threads`` contiguous runs (:func:`._parallel.worker_tasks`), each with one set of scratch.
-    """
-    total_q, heads, dim = q.shape
-    batch = offsets.shape[0] - 1
-    num_keys, task_starts, group_starts, q_t, group_rows = plan_score_tasks(scores, q, offsets, visible)
-    group_lanes = q_t.shape[2]
-    tasks = task_starts[batch]
-    workers = max(1, min(threads, tasks))
-    for worker in numba.prange(workers):
-        scratch = new_scratch(cache, dim)
-        dots = np.empty((KEYS_PER_TASK + KEYS_PER_TILE, group_lanes), np.float32)
-        work = np.empty((group_lanes, KEYS_PER_TASK + KEYS_PER_TILE), np.float32)
-        # a group's rows (at most group_rows) first; the register epilogue reads up to lanes // heads rows
-        group_weights = np.zeros((max(group_rows, group_lanes), heads), np.float32)
-        first_task, end_task = worker_tasks(worker, workers, tasks)
-        for task in range(first_task, end_task):
-            b, first_row, end_row, p0, chunk = score_task(task, task_starts, group_starts, num_keys, offsets)
-            for r0 in range(first_row, end_row, group_rows):
-                r1, needed, lanes = row_group(r0, end_row, group_rows, visible, p0, chunk, heads)
-                if needed <= 0:
-                    continue
-                group_q = q_t[group_starts[b] + (r0 - first_row) // group_rows]
-                column = 0
-                while column < needed:  # page by page: a page's pools are consecutive rows
-                    pool = p0 + column
-                    slot = pool % per_page
-                    run = min(per_page - slot, needed - column)
-                    start = table[b, pool // per_page] * page_stride + base + slot * dim
-                    _prefetch_pools(cache, table, b, pool + run, num_keys[b], page_stride, base, per_page, dim)
-                    dots_of_rows(dots[column:], group_q, cache[start : start + run * dim].reshape((run, dim)),
-                                 lanes, scratch)
-                    column += run
-                group_weights[: r1 - r0] = head_weights[r0:r1]
-                write_group_scores(scores, dots, work, r0, r1, p0, chunk, needed, visible, lanes, heads,
-                                   group_weights, np.float32(1.0))
-
-
-def mla_kpool_score(scores, q, head_weights, pooled_blocks, lookup_table, query_positions, input_row_offsets,
-                    kpool, layer):
-    """See :func:`sparsekv.kernels.reference.kpool.mla_kpool_score`.
-
-    Every sequence's pages are validated first; then one numba pass (see
-    ``_score_kernel``) reads the pooled keys straight from their pages.
-    """
-    total_q, out_cols = scores.shape
-    if total_q == 0:
-        return
-    offsets = input_row_offsets.numpy()
-    visible, needed, total_visible = _visibility(query_positions.numpy(), offsets, kpool, out_cols)
-    _check_score_pages(pooled_blocks, lookup_table, needed, query_positions, input_row_offsets, kpool)
-    num_pages, planes, layers, per_page, _, dim = pooled_blocks.shape
-    if num_pages == 0:  # validated above: no row sees a pool
-        cache, page_stride = pooled_blocks.new_empty(0), 0
-    else:
-        # pages may be strided, not their insides (the whole tensor is asked first: indexing a page costs ~1 us)
-        if not (pooled_blocks.is_contiguous() or pooled_blocks[0].is_contiguous()):
-            pooled_blocks = pooled_blocks.contiguous()
-        page_stride = pooled_blocks.stride(0)
-        span = (num_pages - 1) * page_stride + planes * layers * per_page * dim
-        cache = pooled_blocks.as_strided((span,), (1,))  # flat: numba vectorises contiguous slices only
-    base = layer * per_page * dim  # plane 0 of this layer
-    target = scores if scores.is_contiguous() else torch.empty_like(scores, memory_format=torch.contiguous_format)
-    with threads_for(total_visible * q.shape[1] * q.shape[2]) as threads:
-        _score_kernel(target.numpy(), as_numba(q.contiguous()), head_weights.float().contiguous().numpy(),
-                      as_numba(cache), page_stride, base, per_page, lookup_table.numpy(), visible, offsets, threads)
-    if target is not scores:
-        scores.copy_(target)
+    paged_scores(scores, q, head_weights.float().contiguous().numpy(), pooled_blocks, lookup_table, visible,
+                 total_visible, input_row_offsets.numpy(), layer, 1.0)
 
 
 __all__ = ["mla_kpool_compress", "mla_kpool_ring_close", "mla_kpool_score", "mla_kpool_seed_tail"]

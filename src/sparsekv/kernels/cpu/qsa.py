@@ -75,6 +75,7 @@ from ._tile_ir import KEYS_PER_TILE, SQUARE_SUM_ROWS
 from ._tile_ops import KEYS_PER_TASK, dots_of_rows, new_scratch, square_sums_in_order
 from ._pages import first_missing_page
 from ._paged_rows import flat_plane
+from ._paged_score import paged_scores, visible_keys
 from ._parallel import PARALLEL_JIT, threads_for, worker_tasks
 from ._sparse_attend import sparse_attention
 
@@ -389,6 +390,21 @@ def qsa_block_score(scores, q, block_keys, query_positions, input_row_offsets, r
                             threads)
     if out is not scores:
         scores.copy_(out)
+
+
+def qsa_block_score_paged(scores, q, block_blocks, lookup_table, query_positions, input_row_offsets, layer, ratio,
+                          score_scale):
+    """Same contract as :func:`sparsekv.kernels.reference.qsa.qsa_block_score_paged`: the paged score kernel of
+    :mod:`._paged_score` without head weights, over the block-key cache's pages (pages validated first)."""
+    if scores.shape[0] == 0:
+        return
+    offsets = input_row_offsets.numpy()
+    visible, needed, total_visible = visible_keys(query_positions.numpy(), offsets, ratio, scores.shape[1])
+    b, j = first_missing_page(lookup_table.numpy(), block_blocks.shape[0], block_blocks.shape[3], needed)
+    if b >= 0:
+        raise page_error(lookup_table, block_blocks.shape[0], block_blocks.shape[3], b, j)
+    paged_scores(scores, q, None, block_blocks, lookup_table, visible, total_visible, offsets, layer,
+                 float(score_scale))
 
 
 # ---- sparse attention -------------------------------------------------------------

@@ -253,6 +253,32 @@ def qsa_block_score(
             scores[r, :usable_cols] = torch.where(columns < visible, summed, float("-inf"))
 
 
+def qsa_block_score_paged(
+    scores: torch.Tensor,
+    q: torch.Tensor,
+    block_blocks: torch.Tensor,
+    lookup_table: torch.Tensor,
+    query_positions: torch.Tensor,
+    input_row_offsets: torch.Tensor,
+    layer: int,
+    ratio: int,
+    score_scale: float,
+) -> None:
+    """:func:`qsa_block_score` over the blocks of a block-key cache (:func:`qsa_store_block_keys_paged`), read
+    where they lie: row ``r`` sees blocks ``g < min((t+1) // ratio, out_cols)`` of its sequence (``out_cols =
+    scores.shape[1]``), block ``g`` in row ``g % P`` of page ``lookup_table[b, g // P]``. Raises
+    ``ValueError`` naming the sequence and block of a missing page."""
+    batch = input_row_offsets.shape[0] - 1
+    out_cols = scores.shape[1]
+    seq_of_row, _ = ragged_rows(input_row_offsets)
+    seen = torch.clamp(torch.div(query_positions.to(torch.int64) + 1, ratio, rounding_mode="floor"), 0, out_cols)
+    most = torch.zeros(batch, dtype=torch.int64, device=scores.device).scatter_reduce(0, seq_of_row, seen, "amax")
+    block_keys = torch.empty(batch * out_cols, block_blocks.shape[-1], dtype=block_blocks.dtype,
+                             device=block_blocks.device)
+    qsa_load_block_keys_paged(block_keys, most * ratio, block_blocks, lookup_table, layer, ratio)
+    qsa_block_score(scores, q, block_keys, query_positions, input_row_offsets, ratio, score_scale)
+
+
 def qsa_sparse_attention_paged(
     out: torch.Tensor,
     lse: torch.Tensor,

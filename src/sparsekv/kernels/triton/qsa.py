@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from ..._checks import check_freqs_cis_rows
-from ...cache.layout import check_needed_pages
+from ...cache.layout import check_needed_pages, ragged_rows
 from . import _common
 from ._attention import qsa_sparse_attention_paged
 from ._common import (
@@ -41,8 +41,8 @@ from ._common import (
 )
 from ._score import launch_score
 
-__all__ = ["qsa_block_score", "qsa_compress_keys_paged", "qsa_load_block_keys_paged", "qsa_sparse_attention_paged",
-           "qsa_store_block_keys_paged"]
+__all__ = ["qsa_block_score", "qsa_block_score_paged", "qsa_compress_keys_paged", "qsa_load_block_keys_paged",
+           "qsa_sparse_attention_paged", "qsa_store_block_keys_paged"]
 
 
 # ---------------------------------------------------------------------------
@@ -329,3 +329,29 @@ def qsa_block_score(
     max_blocks = block_keys.shape[0] // batch
     launch_score(scores, q, block_keys, query_positions, input_row_offsets, ratio,
                  min(max_blocks, scores.shape[1]), keys_per_seq=max_blocks, score_scale=score_scale)
+
+
+def qsa_block_score_paged(
+    scores: torch.Tensor,
+    q: torch.Tensor,
+    block_blocks: torch.Tensor,
+    lookup_table: torch.Tensor,
+    query_positions: torch.Tensor,
+    input_row_offsets: torch.Tensor,
+    layer: int,
+    ratio: int,
+    score_scale: float,
+) -> None:
+    """The block score over a block-key cache's pages (see the reference): the score kernel's paged keys,
+    without head weights. A missing page reads as zeros (checked on the host where the reference would)."""
+    if scores.shape[0] == 0 or input_row_offsets.shape[0] <= 1:
+        return
+    if _common.host_checks(scores.device):
+        seq_of_row, _ = ragged_rows(input_row_offsets)
+        seen = torch.clamp(torch.div(query_positions.to(torch.int64) + 1, ratio, rounding_mode="floor"), 0,
+                           scores.shape[1])
+        needed = torch.zeros(input_row_offsets.shape[0] - 1, dtype=torch.int64, device=seen.device)
+        check_needed_pages(lookup_table, block_blocks.shape[0], block_blocks.shape[3],
+                           needed.scatter_reduce(0, seq_of_row, seen, reduce="amax"))
+    launch_score(scores, q, block_blocks, query_positions, input_row_offsets, ratio, scores.shape[1],
+                 score_scale=score_scale, lookup_table=lookup_table, layer=layer)

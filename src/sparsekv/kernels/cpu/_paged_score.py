@@ -1,0 +1,139 @@
+"""The score kernel over keys that live in a paged cache: k-pool pool scores (SPEC 3.3) and QSA block scores
+read from a block-key cache (SPEC 2.3), one numba pass for both.
+
+For query row ``r`` at position ``t`` and key ``g`` (row ``g % per_page`` of
+page ``table[b, g // per_page]``)::
+
+    score[r, g] = (sum_h w[r, h] * relu(q[r, h] . K_g)) / divisor
+
+for the keys each row sees, ``g < min((t+1) // ratio, out_cols)``
+(:func:`visible_keys`), ``-inf`` elsewhere; without weights each term is
+``relu(...)`` alone (the QSA block score, divided by its ``score_scale``).
+One task per (sequence, chunk of 128 keys): the chunk's keys are read in
+place, page by page, through the page table (bf16 as bits, no copy; the next
+page prefetched), by each group of the sequence's rows in register tiles
+(:mod:`._tile_ops`: every dot product the same chain in a fixed channel
+order; bf16 pairs through ``VDPBF16PS``), then relu and the sum over heads in
+head order, on the tiles in registers (:func:`._score_tasks.write_group_scores`;
+for GLM's 32 heads 0.51 -> 0.36 us per 128 pools against summing over the
+transposed dots). So a row's scores do not depend on the rows that share the
+call (BLAS does not promise that), nothing is gathered into a copy first, and
+a QSA block score from the pages equals the one over contiguous block keys
+bit for bit (the same tiles and epilogue, the same keys).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+
+from ._bits import as_numba
+from ._parallel import threads_for, worker_tasks
+from ._score_tasks import plan_score_tasks, row_group, score_task, write_group_scores
+from ._tile_ir import KEYS_PER_TILE
+from ._tile_ops import KEYS_PER_TASK, dots_of_rows, new_scratch, prefetch_span
+
+
+@numba.njit(cache=True, nogil=True)
+def visible_keys(positions, offsets, ratio, out_cols):
+    """``(visible [total_q], needed [B], total)``: the keys each row sees (``(t+1)//ratio`` capped at
+    ``out_cols``), the most any row of each sequence sees, and their sum (the work to split)."""
+    batch = offsets.shape[0] - 1
+    visible = np.empty(positions.shape[0], np.int64)
+    needed = np.zeros(batch, np.int64)
+    total = 0
+    for b in range(batch):
+        for r in range(offsets[b], offsets[b + 1]):
+            visible[r] = min(max((np.int64(positions[r]) + 1) // ratio, 0), out_cols)
+            needed[b] = max(needed[b], visible[r])
+            total += visible[r]
+    return visible, needed, total
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _prefetch_page(cache, table, b, key, num_keys, page_stride, base, per_page, dim):
+    """Ask for sequence ``b``'s keys from ``key`` to the end of its page (none at or past ``num_keys``,
+    whose pages are validated): the page after the one being scored, fetched while it computes. Pages lie
+    anywhere, so the hardware prefetcher cannot run ahead from one to the next (measured with the keys
+    out of the caches: 13-15% of a bf16 decode call)."""
+    if key < num_keys:
+        slot = key % per_page
+        start = table[b, key // per_page] * page_stride + base + slot * dim
+        prefetch_span(cache, start, min(per_page - slot, num_keys - key) * dim)
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def _paged_score_kernel(scores, q, head_weights, cache, page_stride, base, per_page, table, visible, offsets,
+                        divisor, threads):
+    """``scores [total_q, out_cols]``; ``q [total_q, heads, D]``; ``head_weights [total_q, heads]`` float32 or
+    ``None``; ``cache`` the paged keys as one flat array: key slot ``s`` of page ``n`` (this layer) starts at
+    ``cache[n*page_stride + base + s*D]``; ``divisor`` float32.
+
+    Each group of a task's rows runs over the chunk's keys it sees (none: the group is skipped), page by
+    page, while the next page is prefetched. ``q_t[group]`` holds a row group's queries transposed, ``[D,
+    lanes]``, zero padding lanes. The tasks run as ``threads`` contiguous runs
+    (:func:`._parallel.worker_tasks`), each with one set of scratch.
+    """
+    total_q, heads, dim = q.shape
+    batch = offsets.shape[0] - 1
+    num_keys, task_starts, group_starts, q_t, group_rows = plan_score_tasks(scores, q, offsets, visible)
+    group_lanes = q_t.shape[2]
+    tasks = task_starts[batch]
+    workers = max(1, min(threads, tasks))
+    for worker in numba.prange(workers):
+        scratch = new_scratch(cache, dim)
+        dots = np.empty((KEYS_PER_TASK + KEYS_PER_TILE, group_lanes), np.float32)
+        work = np.empty((group_lanes, KEYS_PER_TASK + KEYS_PER_TILE), np.float32)
+        # a group's rows (at most group_rows) first; the register epilogue reads up to lanes // heads rows
+        group_weights = np.zeros((max(group_rows, group_lanes), heads), np.float32)
+        first_task, end_task = worker_tasks(worker, workers, tasks)
+        for task in range(first_task, end_task):
+            b, first_row, end_row, key0, chunk = score_task(task, task_starts, group_starts, num_keys, offsets)
+            for r0 in range(first_row, end_row, group_rows):
+                r1, needed, lanes = row_group(r0, end_row, group_rows, visible, key0, chunk, heads)
+                if needed <= 0:
+                    continue
+                group_q = q_t[group_starts[b] + (r0 - first_row) // group_rows]
+                column = 0
+                while column < needed:  # page by page: a page's keys are consecutive rows
+                    key = key0 + column
+                    slot = key % per_page
+                    run = min(per_page - slot, needed - column)
+                    start = table[b, key // per_page] * page_stride + base + slot * dim
+                    _prefetch_page(cache, table, b, key + run, num_keys[b], page_stride, base, per_page, dim)
+                    dots_of_rows(dots[column:], group_q, cache[start : start + run * dim].reshape((run, dim)),
+                                 lanes, scratch)
+                    column += run
+                if head_weights is None:
+                    write_group_scores(scores, dots, work, r0, r1, key0, chunk, needed, visible, lanes, heads,
+                                       None, divisor)
+                else:
+                    group_weights[: r1 - r0] = head_weights[r0:r1]
+                    write_group_scores(scores, dots, work, r0, r1, key0, chunk, needed, visible, lanes, heads,
+                                       group_weights, divisor)
+
+
+def paged_scores(scores: torch.Tensor, q: torch.Tensor, head_weights: np.ndarray | None, blocks: torch.Tensor,
+                 lookup_table: torch.Tensor, visible: np.ndarray, total_visible: int, offsets: np.ndarray,
+                 layer: int, divisor: float) -> None:
+    """Run :func:`_paged_score_kernel` over plane 0 of ``layer`` of ``blocks [num_pages, KV, layers, per_page,
+    1, D]`` (pages validated by the caller for every key a row sees), writing ``scores`` in place;
+    ``visible``/``total_visible`` from :func:`visible_keys`."""
+    num_pages, planes, layers, per_page, _, dim = blocks.shape
+    if num_pages == 0:  # validated by the caller: no row sees a key
+        cache, page_stride = blocks.new_empty(0), 0
+    else:
+        # pages may be strided, not their insides (the whole tensor is asked first: indexing a page costs ~1 us)
+        if not (blocks.is_contiguous() or blocks[0].is_contiguous()):
+            blocks = blocks.contiguous()
+        page_stride = blocks.stride(0)
+        span = (num_pages - 1) * page_stride + planes * layers * per_page * dim
+        cache = blocks.as_strided((span,), (1,))  # flat: numba vectorises contiguous slices only
+    base = layer * per_page * dim  # plane 0 of this layer
+    target = scores if scores.is_contiguous() else torch.empty_like(scores, memory_format=torch.contiguous_format)
+    with threads_for(total_visible * q.shape[1] * q.shape[2]) as threads:
+        _paged_score_kernel(target.numpy(), as_numba(q.contiguous()), head_weights, as_numba(cache), page_stride,
+                            base, per_page, lookup_table.numpy(), visible, offsets, np.float32(divisor), threads)
+    if target is not scores:
+        scores.copy_(target)
