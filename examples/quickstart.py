@@ -84,6 +84,9 @@ for token_ids in (prompt[:32], prompt[32:], [7], [8], [9]):  # chunked prefill, 
                                                           max_blocks=max_blocks), block_keys)  # the same bits
     scores = sparsekv.qsa_block_score(q, block_keys, query_positions, input_row_offsets,
                                       ratio=ratio, score_scale=index_dim ** 0.5)
+    paged_scores = sparsekv.qsa_block_score_paged(q, blocks_coll, 0, query_positions, input_row_offsets,
+                                                  ratio=ratio, score_scale=index_dim ** 0.5, out_cols=max_blocks)
+    assert torch.equal(paged_scores, scores)            # the blocks scored where they lie in the cache's pages
     indices, counts = sparsekv.qsa_select_tokens(scores, query_positions, input_row_offsets,
                                                  ratio=ratio, budget=budget)
     out = sparsekv.qsa_sparse_attention_paged(q_main, main_coll, 0, indices, counts,
