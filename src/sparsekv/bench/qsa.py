@@ -46,8 +46,8 @@ import torch.nn.functional as F
 from ..cache.layout import PagedKVCacheCollection
 from ..cache.pooled import make_pooled_collection
 from ..numerics import rope_freqs_cis
-from ..ops.qsa import (qsa_block_score, qsa_compress_keys_paged, qsa_load_block_keys_paged, qsa_select_tokens,
-                       qsa_sparse_attention_paged, qsa_store_block_keys_paged)
+from ..ops.qsa import (qsa_block_score, qsa_block_score_paged, qsa_compress_keys_paged, qsa_load_block_keys_paged,
+                       qsa_select_tokens, qsa_sparse_attention_paged, qsa_store_block_keys_paged)
 from .common import (DTYPE_NAMES, PAGE_SIZE, BenchRow, backend, copy_peer, one_thread, random_paged_blocks,
                      gather_peer, read_peer, threads_check, time_interleaved)
 from .peak import tile_peak_peer
@@ -178,8 +178,11 @@ def bench_block_cache(batch: int, keys: int, dtype: torch.dtype, max_python: str
 
 
 def bench_block_score(batch: int, keys: int, rows_per_seq: int, dtype: torch.dtype,
-                      max_python: str | None, threads: int | None = None, check_threads: bool = False) -> BenchRow:
-    """Rows at each sequence's last positions, 4 index heads, against its block keys."""
+                      max_python: str | None, threads: int | None = None, check_threads: bool = False,
+                      paged: bool = False) -> BenchRow:
+    """Rows at each sequence's last positions, 4 index heads, against its block keys; ``paged``: the same
+    block keys in a block-key cache's pages (``PAGE_SIZE // RATIO`` per page, scattered), scored in place by
+    ``qsa_block_score_paged``, with the contiguous score as a peer (``contiguous``)."""
     generator = torch.Generator().manual_seed(1)
     max_blocks = keys // RATIO
     block_keys = torch.randn(batch * max_blocks, HEAD_DIM, generator=generator).to(dtype)
@@ -188,8 +191,32 @@ def bench_block_score(batch: int, keys: int, rows_per_seq: int, dtype: torch.dty
     offsets = torch.arange(0, batch * rows_per_seq + 1, rows_per_seq, dtype=torch.int32)
     out = torch.empty(batch * rows_per_seq, max_blocks)
 
-    def call():
+    def contiguous():
         qsa_block_score(q, block_keys, positions, offsets, ratio=RATIO, score_scale=math.sqrt(HEAD_DIM), out=out)
+
+    call, extra_peers = contiguous, {}
+    if paged:
+        per_page = PAGE_SIZE // RATIO
+        pages_per_seq = -(-max_blocks // per_page)
+        num_pages = batch * pages_per_seq + 1
+        table = torch.randperm(num_pages, generator=generator)[: batch * pages_per_seq].to(torch.int32)
+        block_blocks = torch.zeros(num_pages, 1, 1, per_page, 1, HEAD_DIM, dtype=dtype)
+        rows = block_blocks.view(num_pages * per_page, HEAD_DIM)
+        for b in range(batch):
+            for p in range(pages_per_seq):
+                n = min(per_page, max_blocks - p * per_page)
+                page = int(table[b * pages_per_seq + p])
+                rows[page * per_page : page * per_page + n] = block_keys[b * max_blocks + p * per_page :][:n]
+        block_cache = make_pooled_collection(block_blocks, positions.new_full((batch,), keys), table.view(batch, -1),
+                                             kpool=RATIO)
+        scores = torch.empty_like(out)
+
+        def call():
+            qsa_block_score_paged(q, block_cache, 0, positions, offsets, ratio=RATIO, score_scale=math.sqrt(HEAD_DIM),
+                                  out=scores)
+
+        extra_peers = {} if check_threads else {"contiguous": contiguous}
+        max_python = None
 
     visible = min(keys // RATIO, max_blocks)
     nbytes = q.numel() * q.element_size() + batch * visible * HEAD_DIM * block_keys.element_size() + out.numel() * 4
@@ -199,9 +226,10 @@ def bench_block_score(batch: int, keys: int, rows_per_seq: int, dtype: torch.dty
         max_python = None
     with max_peer(max_python, "block_score", batch, keys, dtype, threads) as peer:
         ours, peers, paired = _time_with_peers(call, peer, check_threads=check_threads, copy=copy_peer(nbytes),
-                                               read=read_peer(nbytes), peak=peak)
+                                               read=read_peer(nbytes), peak=peak, **extra_peers)
     kind = "decode" if rows_per_seq <= ROWS_PER_SEQUENCE else "prefill chunk"
-    return BenchRow("qsa_block_score", f"{kind}: B={batch} rows={rows_per_seq}/seq heads=4 blocks={max_blocks}",
+    return BenchRow("qsa_block_score_paged" if paged else "qsa_block_score",
+                    f"{kind}: B={batch} rows={rows_per_seq}/seq heads=4 blocks={max_blocks}",
                     DTYPE_NAMES[dtype], "cpu", ours, nbytes, peers, _max_note(peer, peers), paired)
 
 
@@ -269,7 +297,7 @@ def bench_sparse_attention(batch: int, cached: int, dtype: torch.dtype, check_th
     return BenchRow("qsa_sparse_attention_paged", shape, DTYPE_NAMES[dtype], "cpu", ours, nbytes, peers, note)
 
 
-OPS = ("compress", "block_cache", "block_score", "select", "sparse_attention")
+OPS = ("compress", "block_cache", "block_score", "block_score_paged", "select", "sparse_attention")
 
 
 def run(quick: bool = False, max_python: str | None = None, threads: int | None = None,
@@ -308,6 +336,11 @@ def run(quick: bool = False, max_python: str | None = None, threads: int | None 
             for keys in key_sizes:
                 rows.append(bench_block_score(4, keys, ROWS_PER_SEQUENCE, dtype, max_python, threads, check_threads))
             rows.append(bench_block_score(1, key_sizes[0], 64 if quick else 512, dtype, None, None, check_threads))
+    if "block_score_paged" in ops:
+        for dtype in dtypes:
+            for keys in key_sizes:
+                rows.append(bench_block_score(4, keys, ROWS_PER_SEQUENCE, dtype, None, threads, check_threads,
+                                              paged=True))
     if "select" in ops:
         rows.append(bench_select(4, 1024 if quick else 32768, check_threads))
     if "sparse_attention" in ops:
