@@ -402,6 +402,30 @@ def qsa_load_block_keys_paged(
     return out
 
 
+def _scores_out(out: torch.Tensor | None, out_cols: int | None, total_q: int, device: torch.device, *,
+                max_blocks: int | None = None) -> torch.Tensor:
+    """A block score's output: ``out`` checked (``[total_q, out_cols]`` contiguous float32 on ``device``), or a
+    new one; ``out_cols`` defaults to ``max_blocks`` (required without one) and may not be below it."""
+    if out is not None:
+        check_tensor("out (scores)", out, ndim=2, dtypes=(torch.float32,), device=device)
+        if out_cols is not None and out.shape[1] != out_cols:
+            raise ValueError(f"out_cols: {out_cols} disagrees with out's {out.shape[1]} columns")
+        out_cols = out.shape[1]
+    elif out_cols is None:
+        if max_blocks is None:
+            raise ValueError("out_cols: required when out is not given")
+        out_cols = max_blocks
+    check_int("out_cols", out_cols, minimum=0)
+    if max_blocks is not None and out_cols < max_blocks:
+        raise ValueError(f"out_cols: expected >= max_blocks = {max_blocks}, got {out_cols}")
+    if out is None:
+        return torch.empty(total_q, out_cols, dtype=torch.float32, device=device)
+    check_tensor("out (scores)", out, shape=(total_q, out_cols))
+    if not out.is_contiguous():
+        raise ValueError("out (scores): expected a contiguous tensor")
+    return out
+
+
 def qsa_block_score(
     q: torch.Tensor,
     block_keys: torch.Tensor,
@@ -454,22 +478,7 @@ def qsa_block_score(
     positions = check_nonnegative("query_positions", query_positions, device=q.device)
     if positions.shape[0] != total_q:
         raise ValueError(f"query_positions: expected shape ({total_q},) = q rows, got {tuple(positions.shape)}")
-    if out is not None:
-        check_tensor("out (scores)", out, ndim=2, dtypes=(torch.float32,), device=q.device)
-        if out_cols is not None and out.shape[1] != out_cols:
-            raise ValueError(f"out_cols: {out_cols} disagrees with out's {out.shape[1]} columns")
-        out_cols = out.shape[1]
-    elif out_cols is None:
-        out_cols = max_blocks
-    check_int("out_cols", out_cols, minimum=0)
-    if out_cols < max_blocks:
-        raise ValueError(f"out_cols: expected >= max_blocks = {max_blocks}, got {out_cols}")
-    if out is None:
-        out = torch.empty(total_q, out_cols, dtype=torch.float32, device=q.device)
-    else:
-        check_tensor("out (scores)", out, shape=(total_q, out_cols))
-        if not out.is_contiguous():
-            raise ValueError("out (scores): expected a contiguous tensor")
+    out = _scores_out(out, out_cols, total_q, q.device, max_blocks=max_blocks)
     _block_score_op(out, q, block_keys, positions, offsets, ratio, score_scale)
     return out
 
@@ -523,18 +532,7 @@ def qsa_block_score_paged(
     positions = check_nonnegative("query_positions", query_positions, device=bc.device)
     if positions.shape[0] != total_q:
         raise ValueError(f"query_positions: expected shape ({total_q},) = q rows, got {tuple(positions.shape)}")
-    if out is None:
-        if out_cols is None:
-            raise ValueError("out_cols: required when out is not given")
-        check_int("out_cols", out_cols, minimum=0)
-        out = torch.empty(total_q, out_cols, dtype=torch.float32, device=bc.device)
-    else:
-        check_tensor("out (scores)", out, ndim=2, dtypes=(torch.float32,), device=bc.device)
-        if out_cols is not None and out.shape[1] != out_cols:
-            raise ValueError(f"out_cols: {out_cols} disagrees with out's {out.shape[1]} columns")
-        check_tensor("out (scores)", out, shape=(total_q, out.shape[1]))
-        if not out.is_contiguous():
-            raise ValueError("out (scores): expected a contiguous tensor")
+    out = _scores_out(out, out_cols, total_q, bc.device)
     _block_score_paged_op(out, q, bc.blocks, bc.lookup_table, positions, offsets, layer_idx, ratio, score_scale)
     return out
 
