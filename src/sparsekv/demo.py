@@ -369,15 +369,17 @@ class DemoServer:
         block_bytes = q.indexer_head_dim * self.dtype_size
         ratio = q.indexer_compress_ratio
         decode_rows = torch.tensor([not flag for (_, n), flag in zip(plan, is_prefill) for _ in range(n)])
-        key_counts = [request.computed for request, _ in plan]  # already includes this step
+        key_counts = [(request.computed - n, request.computed) for request, n in plan]  # before, after this step
         for result in qsa_results:
             counts, causal = result.counts.cpu().double(), result.positions.cpu().double() + 1
             t.sparse_bytes += float(counts.sum()) * token_bytes
             t.dense_bytes += float(causal.sum()) * token_bytes
             t.decode_sparse_bytes += float(counts[decode_rows].sum()) * token_bytes
             t.decode_dense_bytes += float(causal[decode_rows].sum()) * token_bytes
-            # compress reads every complete block's raw keys; the score reads each row's visible block keys
-            t.indexer_bytes += sum(count // ratio * ratio for count in key_counts) * block_bytes
+            # the block store reads the raw keys of the blocks this step completes (the block-key cache keeps
+            # the others); the score reads each row's visible block keys
+            pooled_keys = sum((after // ratio - before // ratio) * ratio for before, after in key_counts)
+            t.indexer_bytes += pooled_keys * block_bytes
             t.indexer_bytes += float(torch.div(causal, ratio, rounding_mode="floor").sum()) * block_bytes
         latent_bytes = self.mla.config.latent_dim * self.dtype_size
         for result in mla_results:

@@ -1,4 +1,5 @@
-"""Public QSA ops (SPEC 2.2 - 2.5): compress, block score, token selection, sparse attention.
+"""Public QSA ops (SPEC 2.2 - 2.5): compress, block score, token selection, sparse attention, and the
+block-key cache (store the blocks a call completes, score them in place or load them).
 
 Each public function validates its arguments (``ValueError``/``TypeError``
 naming the argument), normalises index tensors to int32, allocates its outputs
@@ -14,6 +15,13 @@ One layer step (SPEC 2.6)::
     scores = qsa_block_score(index_q, block_keys, positions, offsets, ratio=4, score_scale=128 ** 0.5)
     indices, counts = qsa_select_tokens(scores, positions, offsets, ratio=4, budget=2048)
     out = qsa_sparse_attention_paged(q, main_cache, layer, indices, counts, offsets, scale=256 ** -0.5)
+
+With a block-key cache (pages co-indexed with the indexer cache, ``page_size // 4`` rows each), a
+step pools only the blocks it completes and scores them where they lie (the same scores)::
+
+    qsa_store_block_keys_paged(gamma, freqs_cis, key_counts, index_cache, block_cache, layer, ratio=4, eps=1e-6)
+    scores = qsa_block_score_paged(index_q, block_cache, layer, positions, offsets, ratio=4,
+                                   score_scale=128 ** 0.5, out_cols=max_blocks)
 """
 
 from __future__ import annotations

@@ -14,6 +14,11 @@ What each kernel is made of, and why (measured with ``benchmarks/bench_qsa.py``)
   Every loop over channels starts at index 0 of a slice: a loop from a
   non-zero start (``range(2 * half, dim)``) compiled to gathers and scatters
   behind numba's negative-index check, and took 40% of the kernel.
+* block-key cache: the store pools only the blocks a call completes, with the
+  compress kernel's per-block helpers (the same bits), into pages co-indexed
+  with the indexer cache; the load copies a page's blocks at a time; the
+  block score over the pages is :mod:`._paged_score`'s kernel (shared with
+  the k-pool score) without head weights.
 * block score: one task per (sequence, chunk of block keys). The chunk's keys
   are read in place (float32, or bf16 as bits; fp16 widened into scratch),
   and each group of the sequence's rows (about 32 (row, head) lanes, queries
@@ -329,7 +334,8 @@ def qsa_load_block_keys_paged(block_keys, key_counts, block_blocks, lookup_table
     b, j = first_missing_page(lookup_table.numpy(), block_blocks.shape[0], block_blocks.shape[3], num_blocks)
     if b >= 0:
         raise page_error(lookup_table, block_blocks.shape[0], block_blocks.shape[3], b, j)
-    out = block_keys if block_keys.is_contiguous() else torch.empty_like(block_keys, memory_format=torch.contiguous_format)
+    out = (block_keys if block_keys.is_contiguous()
+           else torch.empty_like(block_keys, memory_format=torch.contiguous_format))
     source, source_stride, source_base = flat_plane(block_blocks, 0, layer)
     with threads_for(block_keys.numel()):
         _load_blocks_kernel(as_numba(out), source, source_stride, source_base, block_blocks.shape[3],
