@@ -33,9 +33,16 @@ def op_arguments(c):
     block_keys = torch.zeros(2 * 3, c["dim"])
     scores = torch.zeros(3, 4)
     indices, counts = torch.zeros(3, 4 + 4 - 1, dtype=torch.int32), torch.zeros(3, dtype=torch.int32)
+    block_blocks = torch.randn(c["index_blocks"].shape[0], 1, 1, 1, 1, c["dim"])  # ratio 4 = the page size
     return {
         "qsa_compress_keys_paged": (block_keys, c["gamma"], c["freqs"], c["key_counts"], c["index_blocks"], c["table"],
                                     0, 4, 1e-6),
+        "qsa_store_block_keys_paged": (block_blocks, c["gamma"], c["freqs"], c["key_counts"],
+                                       torch.tensor([1, 0], dtype=torch.int32), c["index_blocks"], c["table"], 0, 4,
+                                       1e-6, 1),
+        "qsa_load_block_keys_paged": (block_keys.clone(), c["key_counts"], block_blocks, c["table"], 0, 4),
+        "qsa_block_score_paged": (scores.clone(), c["q_index"], block_blocks, c["table"], c["positions"],
+                                  c["offsets"], 0, 4, 2.0),
         "qsa_block_score": (scores, c["q_index"], torch.randn(6, c["dim"]), c["positions"], c["offsets"], 4, 2.0),
         "select_blocks_expand": (indices, counts, torch.randn(3, 4), c["positions"], 4, 4, True),
         "qsa_sparse_attention_paged": (torch.zeros(3, 4, c["dim"]), torch.zeros(3, 4), c["q"], c["main_blocks"],
@@ -45,7 +52,8 @@ def op_arguments(c):
     }
 
 
-@pytest.mark.parametrize("name", ["qsa_compress_keys_paged", "qsa_block_score", "select_blocks_expand",
+@pytest.mark.parametrize("name", ["qsa_compress_keys_paged", "qsa_store_block_keys_paged", "qsa_load_block_keys_paged",
+                                  "qsa_block_score", "qsa_block_score_paged", "select_blocks_expand",
                                   "qsa_sparse_attention_paged"])
 def test_opcheck(name):
     args = op_arguments(small_case())[name]
