@@ -195,7 +195,7 @@ def bench_block_score(batch: int, keys: int, rows_per_seq: int, dtype: torch.dty
         qsa_block_score(q, block_keys, positions, offsets, ratio=RATIO, score_scale=math.sqrt(HEAD_DIM), out=out)
 
     call, extra_peers = contiguous, {}
-    if paged:
+    if paged:  # the same keys in pages, scored in place; the contiguous score becomes a peer
         per_page = PAGE_SIZE // RATIO
         pages_per_seq = -(-max_blocks // per_page)
         num_pages = batch * pages_per_seq + 1
@@ -211,11 +211,11 @@ def bench_block_score(batch: int, keys: int, rows_per_seq: int, dtype: torch.dty
                                              kpool=RATIO)
         scores = torch.empty_like(out)
 
-        def call():
+        def paged_call():
             qsa_block_score_paged(q, block_cache, 0, positions, offsets, ratio=RATIO, score_scale=math.sqrt(HEAD_DIM),
                                   out=scores)
 
-        extra_peers = {} if check_threads else {"contiguous": contiguous}
+        call, extra_peers = paged_call, ({} if check_threads else {"contiguous": contiguous})
         max_python = None
 
     visible = min(keys // RATIO, max_blocks)
