@@ -61,7 +61,8 @@ def decode_rank(process_group: dist.ProcessGroup, checkpoint: str, case: Case) -
     model = Qwen4ExpSlice(config, VOCAB, process_group=process_group)
     load_tensor_parallel_weights(model, reader)
     pages = case.batch * (-(-(case.context + case.steps + 4) // case.page_size))
-    manager = PagedKVCacheManager(cache_groups(model, torch.float32), page_size=case.page_size, num_pages=pages)
+    manager = PagedKVCacheManager(cache_groups(model, torch.float32, case.page_size), page_size=case.page_size,
+                                  num_pages=pages)
     generator = torch.Generator().manual_seed(1)
     rids = [f"r{i}" for i in range(case.batch)]
     for rid in rids:
@@ -74,7 +75,8 @@ def decode_rank(process_group: dist.ProcessGroup, checkpoint: str, case: Case) -
         token_ids = torch.randint(0, VOCAB, (case.batch * tokens_per_request,), generator=generator)
         with torch.no_grad():
             model(token_ids, input_row_offsets=batch.input_row_offsets, kv_cache=batch.collection("main"),
-                  index_cache=batch.collection("index"), timer=timer)
+                  index_cache=batch.collection("index"), timer=timer,
+                  block_cache=batch.collection("index_blocks") if "index_blocks" in batch.groups else None)
         for rid in rids:
             manager.step(rid, [0] * tokens_per_request)
 

@@ -214,12 +214,17 @@ def _prompts(options: TPCheckOptions) -> list[list[int]]:
             for _ in range(options.requests + 1)]  # the last one arrives after request 0 left
 
 
-def cache_groups(model: Qwen4ExpSlice, dtype: torch.dtype) -> list[CacheGroupSpec]:
-    """The slice's cache groups on this rank: the main cache holds this rank's KV heads, the indexer's is replicated."""
+def cache_groups(model: Qwen4ExpSlice, dtype: torch.dtype, page_size: int) -> list[CacheGroupSpec]:
+    """The slice's cache groups on this rank: the main cache holds this rank's KV heads, the indexer's (and its
+    block keys, ``"index_blocks"``, where the indexer's ratio divides ``page_size``) are replicated."""
     attention, config = model.attentions[0], model.config
     layers = len(config.qsa_layers)
-    return [CacheGroupSpec("main", 2, layers, attention.num_kv_heads, config.head_dim, dtype),
-            CacheGroupSpec("index", 1, layers, 1, config.indexer_head_dim, dtype)]
+    groups = [CacheGroupSpec("main", 2, layers, attention.num_kv_heads, config.head_dim, dtype),
+              CacheGroupSpec("index", 1, layers, 1, config.indexer_head_dim, dtype)]
+    if page_size % config.indexer_compress_ratio == 0:
+        groups.append(CacheGroupSpec("index_blocks", 1, layers, 1, config.indexer_head_dim, dtype,
+                                     tokens_per_entry=config.indexer_compress_ratio))
+    return groups
 
 
 def serve(model: Qwen4ExpSlice, options: TPCheckOptions) -> dict:
@@ -231,7 +236,7 @@ def serve(model: Qwen4ExpSlice, options: TPCheckOptions) -> dict:
     claims its cached pages and prefills.
     """
     device = torch.device(options.device)
-    manager = PagedKVCacheManager(cache_groups(model, options.dtype), page_size=options.page_size,
+    manager = PagedKVCacheManager(cache_groups(model, options.dtype, options.page_size), page_size=options.page_size,
                                   num_pages=options.num_pages, device=device)
     timer = StageTimer(device)
     prompts = _prompts(options)
@@ -252,7 +257,8 @@ def serve(model: Qwen4ExpSlice, options: TPCheckOptions) -> dict:
         with torch.no_grad():
             hidden, results = model(token_ids, input_row_offsets=batch.input_row_offsets,
                                     kv_cache=batch.collection("main"), index_cache=batch.collection("index"),
-                                    timer=timer)
+                                    timer=timer, block_cache=batch.collection("index_blocks")
+                                    if "index_blocks" in batch.groups else None)
         record["outputs"].append(hidden.float().cpu())
         record["selections"].append([(r.indices.cpu(), r.counts.cpu()) for r in results])
         record["tables"].append((batch.lookup_table.cpu(), batch.cache_lengths.cpu()))
