@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from tqdm import tqdm
 
-from .cache.manager import CacheGroupSpec, InsufficientPagesError, PagedKVCacheManager
+from .cache.manager import InsufficientPagesError, PagedKVCacheManager
 from .demo_checks import (TIE_TOLERANCE, CheckLog, brute_force_kpool_scores, brute_force_qsa_blocks,
                           check_attention_over_selection, check_mla_equals_dense, check_mla_over_selection,
                           check_pooled_keys, check_sparse_equals_dense, compare_topk, mla_queries)
@@ -46,7 +46,7 @@ from .layers.config import Glm5NextConfig, Qwen4ExpConfig, load_config
 from .layers.dsa import mla_cache_groups
 from .layers.kpool import RMSNorm
 from .layers.mla import MlaSlice
-from .layers.qsa import Qwen4ExpSlice
+from .layers.qsa import Qwen4ExpSlice, qsa_cache_groups
 
 DEFAULT_QWEN = Qwen4ExpConfig(
     hidden_size=256, num_hidden_layers=8, qsa_layers=(3, 7), num_attention_heads=24, num_key_value_heads=2,
@@ -284,10 +284,8 @@ class DemoServer:
         self.qwen, self.mla, self.options, self.device = qwen, mla, options, device
         q = qwen.config
         self.manager = PagedKVCacheManager(
-            [CacheGroupSpec("attention", 2, len(q.qsa_layers), q.num_key_value_heads, q.head_dim, dtype),
-             CacheGroupSpec("qsa_indexer", 1, len(q.qsa_layers), 1, q.indexer_head_dim, dtype),
-             CacheGroupSpec("qsa_blocks", 1, len(q.qsa_layers), 1, q.indexer_head_dim, dtype,
-                            tokens_per_entry=q.indexer_compress_ratio),
+            [*qsa_cache_groups(q, dtype, options.page_size, main="attention", indexer="qsa_indexer",
+                               blocks="qsa_blocks"),
              *mla_cache_groups(mla.config, dtype, latent="mla_latent", indexer="kpool_indexer")],
             page_size=options.page_size, num_pages=num_pages, device=device, enable_prefix_caching=True)
         self.max_slots = options.requests + 1

@@ -42,7 +42,7 @@ from .cache.manager import CacheGroupSpec, PagedKVCacheManager
 from .demo import DEFAULT_QWEN, StageTimer, seed_parameters
 from .layers.checkpoint import open_checkpoint, save_checkpoint, slice_state
 from .layers.config import Qwen4ExpConfig
-from .layers.qsa import Qwen4ExpSlice
+from .layers.qsa import Qwen4ExpSlice, qsa_cache_groups
 from .layers.tensor_parallel import kv_head_range, load_tensor_parallel_weights
 
 
@@ -217,14 +217,8 @@ def _prompts(options: TPCheckOptions) -> list[list[int]]:
 def cache_groups(model: Qwen4ExpSlice, dtype: torch.dtype, page_size: int) -> list[CacheGroupSpec]:
     """The slice's cache groups on this rank: the main cache holds this rank's KV heads, the indexer's (and its
     block keys, ``"index_blocks"``, where the indexer's ratio divides ``page_size``) are replicated."""
-    attention, config = model.attentions[0], model.config
-    layers = len(config.qsa_layers)
-    groups = [CacheGroupSpec("main", 2, layers, attention.num_kv_heads, config.head_dim, dtype),
-              CacheGroupSpec("index", 1, layers, 1, config.indexer_head_dim, dtype)]
-    if page_size % config.indexer_compress_ratio == 0:
-        groups.append(CacheGroupSpec("index_blocks", 1, layers, 1, config.indexer_head_dim, dtype,
-                                     tokens_per_entry=config.indexer_compress_ratio))
-    return groups
+    return qsa_cache_groups(model.config, dtype, page_size, num_kv_heads=model.attentions[0].num_kv_heads,
+                            indexer="index")
 
 
 def serve(model: Qwen4ExpSlice, options: TPCheckOptions) -> dict:

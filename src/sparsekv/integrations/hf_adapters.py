@@ -27,7 +27,7 @@ from ..cache.groups import BatchInputs, CacheGroupSpec
 from ..layers.config import MlaConfig, Qwen4ExpConfig, load_config
 from ..layers.dsa import mla_cache_groups, rope_inv_freq
 from ..layers.mla import MlaSparseAttention
-from ..layers.qsa import QSAAttention, RotaryTable
+from ..layers.qsa import QSAAttention, RotaryTable, qsa_cache_groups
 
 
 class HFRotaryTable(RotaryTable):
@@ -223,13 +223,7 @@ class Qwen4ExpAdapter(AttentionAdapter):
     def cache_groups(self, dtype: torch.dtype, page_size: int) -> list[CacheGroupSpec]:
         """``"main"``, ``"indexer"``, and where ``indexer_compress_ratio`` divides the page size the
         indexer's block-key cache ``"index_blocks"`` (each block pooled once, in the call that completes it)."""
-        cfg, count = self.config, len(self.layers)
-        groups = [CacheGroupSpec("main", 2, count, cfg.num_key_value_heads, cfg.head_dim, dtype),
-                  CacheGroupSpec("indexer", 1, count, 1, cfg.indexer_head_dim, dtype)]
-        if page_size % cfg.indexer_compress_ratio == 0:
-            groups.append(CacheGroupSpec("index_blocks", 1, count, 1, cfg.indexer_head_dim, dtype,
-                                         tokens_per_entry=cfg.indexer_compress_ratio))
-        return groups
+        return qsa_cache_groups(self.config, dtype, page_size)
 
     def mask_mapping(self, inputs: torch.Tensor, attention_mask: torch.Tensor | None) -> dict:
         """Hugging Face's masks without the dense ``[B, 1, T, past + T]`` one of the indexed layers.

@@ -1,7 +1,7 @@
 """Model layers with the checkpoints' weight names, and their config/checkpoint loading.
 
 * :class:`QSAAttention` / :class:`QSAIndexer` (Qwen4Exp full-attention layers, SPEC 2),
-  stacked by :class:`Qwen4ExpSlice`;
+  stacked by :class:`Qwen4ExpSlice`; :func:`qsa_cache_groups` (K/V, indexer and block-key cache groups);
 * :class:`KPoolIndexer` (the DSA indexer: GLM-5-Next's k-pool, ``kpool = 1`` for
   GLM-5 / DeepSeek-V3.2, SPEC 3), with :class:`KPoolIndexerLayer` and :class:`Glm5NextIndexerSlice`;
 * :class:`MlaSparseAttention` (MLA attention over the indexer's selection, SPEC 3.4),
@@ -33,6 +33,7 @@ from .qsa import (
     RotaryTable,
     ZeroCentredRMSNorm,
     dense_causal_attention,
+    qsa_cache_groups,
 )
 
 __all__ = [
@@ -66,6 +67,7 @@ __all__ = [
     "mla_cache_groups",
     "module_state",
     "open_checkpoint",
+    "qsa_cache_groups",
     "save_checkpoint",
     "save_config",
     "slice_state",

@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..cache.groups import CacheGroupSpec
 from ..cache.layout import PagedKVCacheCollection
 from ..numerics import apply_rope_neox, rms_norm_zero_centred, rope_freqs_cis
 from ..ops.cache import paged_store
@@ -204,6 +205,25 @@ def key_counts_after_call(index_cache: PagedKVCacheCollection, input_row_offsets
     lengths are int32, and int32 index tensors pass the ops' checks without a conversion)."""
     offsets = input_row_offsets.to(torch.int32)
     return index_cache.cache_lengths.to(torch.int32) + (offsets[1:] - offsets[:-1])
+
+
+def qsa_cache_groups(config: Qwen4ExpConfig, dtype: torch.dtype, page_size: int, *, num_kv_heads: int | None = None,
+                     main: str = "main", indexer: str = "indexer",
+                     blocks: str = "index_blocks") -> list[CacheGroupSpec]:
+    """The co-indexed cache groups of the QSA layers (``config.qsa_layers``, one cache layer each): ``main``
+    (keys and values, ``num_kv_heads`` heads of ``head_dim``; default all of the config's KV heads, a
+    tensor-parallel rank passes its own), ``indexer`` (raw indexer keys, one head of ``indexer_head_dim``),
+    and, where ``indexer_compress_ratio`` divides ``page_size``, ``blocks``: the indexer's block-key cache
+    (one entry per ``indexer_compress_ratio`` tokens; pass it to :class:`QSAAttention` as ``block_cache``).
+    """
+    layers = len(config.qsa_layers)
+    kv_heads = config.num_key_value_heads if num_kv_heads is None else num_kv_heads
+    groups = [CacheGroupSpec(main, 2, layers, kv_heads, config.head_dim, dtype),
+              CacheGroupSpec(indexer, 1, layers, 1, config.indexer_head_dim, dtype)]
+    if page_size % config.indexer_compress_ratio == 0:
+        groups.append(CacheGroupSpec(blocks, 1, layers, 1, config.indexer_head_dim, dtype,
+                                     tokens_per_entry=config.indexer_compress_ratio))
+    return groups
 
 
 def every_causal_token(positions: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -443,4 +463,4 @@ class Qwen4ExpSlice(nn.Module):
 
 
 __all__ = ["QSAAttention", "QSAIndexer", "QSAResult", "Qwen4ExpSlice", "RotaryTable", "ZeroCentredRMSNorm",
-           "dense_causal_attention", "every_causal_token", "key_counts_after_call"]
+           "dense_causal_attention", "every_causal_token", "key_counts_after_call", "qsa_cache_groups"]
