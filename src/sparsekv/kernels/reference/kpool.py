@@ -50,6 +50,7 @@ from __future__ import annotations
 import torch
 
 from ...cache.layout import first_missing_page, page_problem, ragged_rows
+from .qsa import keys_seen
 
 MODES = ("softmax", "mean", "last")
 
@@ -142,11 +143,8 @@ def check_score_pages(lookup_table: torch.Tensor, num_pages: int, pools_per_page
     """
     if query_positions.shape[0] == 0:
         return
-    seq_of_row, _ = ragged_rows(input_row_offsets)
-    visible = visible_pools(query_positions, kpool, out_cols)
-    needed = torch.zeros(input_row_offsets.shape[0] - 1, dtype=torch.int64, device=visible.device)
-    needed = needed.scatter_reduce(0, seq_of_row, visible, reduce="amax")
-    missing = first_missing_page(lookup_table, num_pages, pools_per_page, needed)
+    missing = first_missing_page(lookup_table, num_pages, pools_per_page,
+                                 keys_seen(query_positions, input_row_offsets, kpool, out_cols))
     if missing is not None:
         raise score_page_error(lookup_table, num_pages, pools_per_page, query_positions, input_row_offsets, kpool,
                                *missing)

@@ -253,6 +253,16 @@ def qsa_block_score(
             scores[r, :usable_cols] = torch.where(columns < visible, summed, float("-inf"))
 
 
+def keys_seen(query_positions: torch.Tensor, input_row_offsets: torch.Tensor, ratio: int,
+              out_cols: int) -> torch.Tensor:
+    """``[B]`` int64: the most keys any row of each sequence sees, ``min((t+1) // ratio, out_cols)`` (blocks
+    of a block score, pools of a k-pool score): what a score over paged keys needs pages for."""
+    seq_of_row, _ = ragged_rows(input_row_offsets)
+    seen = torch.clamp(torch.div(query_positions.to(torch.int64) + 1, ratio, rounding_mode="floor"), 0, out_cols)
+    needed = torch.zeros(input_row_offsets.shape[0] - 1, dtype=torch.int64, device=seen.device)
+    return needed.scatter_reduce(0, seq_of_row, seen, reduce="amax")
+
+
 def qsa_block_score_paged(
     scores: torch.Tensor,
     q: torch.Tensor,
@@ -270,9 +280,7 @@ def qsa_block_score_paged(
     ``ValueError`` naming the sequence and block of a missing page."""
     batch = input_row_offsets.shape[0] - 1
     out_cols = scores.shape[1]
-    seq_of_row, _ = ragged_rows(input_row_offsets)
-    seen = torch.clamp(torch.div(query_positions.to(torch.int64) + 1, ratio, rounding_mode="floor"), 0, out_cols)
-    most = torch.zeros(batch, dtype=torch.int64, device=scores.device).scatter_reduce(0, seq_of_row, seen, "amax")
+    most = keys_seen(query_positions, input_row_offsets, ratio, out_cols)
     block_keys = torch.empty(batch * out_cols, block_blocks.shape[-1], dtype=block_blocks.dtype,
                              device=block_blocks.device)
     qsa_load_block_keys_paged(block_keys, most * ratio, block_blocks, lookup_table, layer, ratio)

@@ -28,7 +28,8 @@ import triton
 import triton.language as tl
 
 from ..._checks import check_freqs_cis_rows
-from ...cache.layout import check_needed_pages, ragged_rows
+from ...cache.layout import check_needed_pages
+from ..reference.qsa import keys_seen
 from . import _common
 from ._attention import qsa_sparse_attention_paged
 from ._common import (
@@ -347,11 +348,7 @@ def qsa_block_score_paged(
     if scores.shape[0] == 0 or input_row_offsets.shape[0] <= 1:
         return
     if _common.host_checks(scores.device):
-        seq_of_row, _ = ragged_rows(input_row_offsets)
-        seen = torch.clamp(torch.div(query_positions.to(torch.int64) + 1, ratio, rounding_mode="floor"), 0,
-                           scores.shape[1])
-        needed = torch.zeros(input_row_offsets.shape[0] - 1, dtype=torch.int64, device=seen.device)
         check_needed_pages(lookup_table, block_blocks.shape[0], block_blocks.shape[3],
-                           needed.scatter_reduce(0, seq_of_row, seen, reduce="amax"))
+                           keys_seen(query_positions, input_row_offsets, ratio, scores.shape[1]))
     launch_score(scores, q, block_blocks, query_positions, input_row_offsets, ratio, scores.shape[1],
                  score_scale=score_scale, lookup_table=lookup_table, layer=layer)
