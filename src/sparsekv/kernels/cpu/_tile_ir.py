@@ -67,7 +67,8 @@ def _check_llvmlite_for_bfloat() -> None:
                           "through _to_string; this one does not")
 
 
-VECTOR = 16  # float32 lanes per vector (AVX-512); LLVM splits the vectors on narrower machines
+VECTOR = 16  # float32 lanes per vector (AVX-512); LLVM splits the vectors on narrower machines (AVX2: two
+# registers each), where the tiles keep fewer accumulators per pass (_keys_per_pass, _weighted_passes)
 KEYS_PER_TILE = 8
 
 
@@ -90,6 +91,13 @@ _check_llvmlite_for_bfloat()
 def _target_has_bf16_dot() -> bool:
     """Whether numba compiles for a CPU with ``VDPBF16PS`` (:func:`._bits.target_cpu_features`)."""
     return "+avx512bf16" in target_cpu_features()
+
+
+def _keys_per_pass() -> int:
+    """Keys whose accumulators one channel pass of :func:`dot_tile` keeps in registers: all 8 with
+    AVX-512's 32 vector registers; 4 (8 of AVX2's 16 registers, the 16 lanes taking two each) otherwise,
+    where 8 keys' accumulators spill to memory."""
+    return KEYS_PER_TILE if "+avx512f" in target_cpu_features() else KEYS_PER_TILE // 2
 
 
 def _is_c_matrix(array, dtype) -> bool:
@@ -127,8 +135,8 @@ def _prefetch(builder, address, *, write: bool, locality: int) -> None:
 
 @intrinsic
 def dot_tile(typingctx, dots, q_t, keys, lane0, key0, row_starts):
-    """The dot products of ``VECTOR`` lanes x ``KEYS_PER_TILE`` keys, eight vector accumulators (one per
-    key) in registers.
+    """The dot products of ``VECTOR`` lanes x ``KEYS_PER_TILE`` keys, a vector accumulator per key in
+    registers (all eight in one pass over the channels, or two passes of four: :func:`_keys_per_pass`).
 
     ``dots`` float32; either ``q_t`` float32 and float32 ``keys`` (channels),
     or ``q_t`` int32 ``[P, lanes]`` and uint16 ``keys`` (bf16 channel pairs);
@@ -222,38 +230,40 @@ def dot_tile(typingctx, dots, q_t, keys, lane0, key0, row_starts):
                 return builder.call(fma, [q_vec, splat(key_value, vector), acc])
 
         key_rows = [key_row(builder.add(key0, constant(k))) for k in range(KEYS_PER_TILE)]
-        entry = builder.block
-        loop = builder.append_basic_block("tile_channels")
-        done = builder.append_basic_block("tile_done")
-        builder.branch(loop)
-        builder.position_at_end(loop)
-        channel = builder.phi(index)
-        channel.add_incoming(constant(0), entry)
-        accumulators = [builder.phi(vector) for _ in range(KEYS_PER_TILE)]
-        for acc in accumulators:
-            acc.add_incoming(ir.Constant(vector, [0.0] * VECTOR), entry)
-        q_start = builder.add(builder.mul(channel, q_cols), lane0)
-        q_vector = builder.load(vector_at(q_arr.data, q_start, q_type), align=4)
-        # Prefetch the next tile's keys meanwhile (keys stream from memory in place): at
-        # channel step c, step 8*(c // 8) of key key0 + 8 + c % 8, so over the loop every
-        # 32 bytes of the next 8 keys. A prefetch never faults: rows past the end need no guard.
-        ahead = key_row(builder.add(builder.add(key0, constant(KEYS_PER_TILE)), builder.and_(channel, constant(7))))
-        _prefetch(builder, builder.gep(ahead, [builder.and_(channel, constant(-8))]), write=False,
-                  locality=PREFETCH_KEEP_EVERYWHERE)
-        updated = []
-        for k in range(KEYS_PER_TILE):
-            key_value = builder.load(builder.gep(key_rows[k], [channel]))
-            updated.append(multiply_add(q_vector, key_value, accumulators[k]))
-        next_channel = builder.add(channel, constant(1))
-        body_end = builder.block
-        channel.add_incoming(next_channel, body_end)
-        for k in range(KEYS_PER_TILE):
-            accumulators[k].add_incoming(updated[k], body_end)
-        builder.cbranch(builder.icmp_signed("<", next_channel, depth), loop, done)
-        builder.position_at_end(done)
-        for k in range(KEYS_PER_TILE):
-            row_start = builder.add(builder.mul(builder.add(key0, constant(k)), dots_cols), lane0)
-            builder.store(updated[k], vector_at(dots_arr.data, row_start, vector), align=4)
+        for first in range(0, KEYS_PER_TILE, _keys_per_pass()):
+            keys = range(first, first + _keys_per_pass())
+            entry = builder.block
+            loop = builder.append_basic_block("tile_channels")
+            done = builder.append_basic_block("tile_done")
+            builder.branch(loop)
+            builder.position_at_end(loop)
+            channel = builder.phi(index)
+            channel.add_incoming(constant(0), entry)
+            accumulators = [builder.phi(vector) for _ in keys]
+            for acc in accumulators:
+                acc.add_incoming(ir.Constant(vector, [0.0] * VECTOR), entry)
+            q_start = builder.add(builder.mul(channel, q_cols), lane0)
+            q_vector = builder.load(vector_at(q_arr.data, q_start, q_type), align=4)
+            if first == 0:
+                # Prefetch the next tile's keys meanwhile (keys stream from memory in place): at
+                # channel step c, step 8*(c // 8) of key key0 + 8 + c % 8, so over the loop every
+                # 32 bytes of the next 8 keys. A prefetch never faults: rows past the end need no guard.
+                ahead = key_row(builder.add(builder.add(key0, constant(KEYS_PER_TILE)),
+                                            builder.and_(channel, constant(7))))
+                _prefetch(builder, builder.gep(ahead, [builder.and_(channel, constant(-8))]), write=False,
+                          locality=PREFETCH_KEEP_EVERYWHERE)
+            updated = [multiply_add(q_vector, builder.load(builder.gep(key_rows[k], [channel])), acc)
+                       for k, acc in zip(keys, accumulators)]
+            next_channel = builder.add(channel, constant(1))
+            body_end = builder.block
+            channel.add_incoming(next_channel, body_end)
+            for acc, value in zip(accumulators, updated):
+                acc.add_incoming(value, body_end)
+            builder.cbranch(builder.icmp_signed("<", next_channel, depth), loop, done)
+            builder.position_at_end(done)
+            for k, value in zip(keys, updated):
+                row_start = builder.add(builder.mul(builder.add(key0, constant(k)), dots_cols), lane0)
+                builder.store(value, vector_at(dots_arr.data, row_start, vector), align=4)
         return context.get_dummy_value()
 
     return signature, codegen
@@ -261,6 +271,18 @@ def dot_tile(typingctx, dots, q_t, keys, lane0, key0, row_starts):
 
 WEIGHTED_HEADS = 8
 WEIGHTED_CHANNELS = 2 * VECTOR
+
+
+def _weighted_passes(heads: int) -> list[tuple[range, tuple[int, ...]]]:
+    """The passes over the rows of a ``heads`` x 32-channel weighted-rows tile, each ``(heads, halves)``:
+    one pass holding every accumulator (``2 * heads`` vectors of 16) with AVX-512's 32 registers; with
+    AVX2's 16, passes of at most 6 heads x one 16-channel half (12 of the registers, a 16-lane vector
+    taking two), where more accumulators spill to memory. Each (head, channel) sums its rows in order
+    either way."""
+    if "+avx512f" in target_cpu_features():
+        return [(range(heads), (0, 1))]
+    per_pass = 6 if heads % 6 == 0 else 4
+    return [(range(first, first + per_pass), (half,)) for first in range(0, heads, per_pass) for half in (0, 1)]
 
 
 def _make_weighted_rows_tile(heads: int):
@@ -299,6 +321,8 @@ def _make_weighted_rows_tile(heads: int):
             acc_cols = builder.extract_value(acc_arr.shape, 1)
             weight_cols = builder.extract_value(weights_arr.shape, 1)
             row_cols = builder.extract_value(rows_arr.shape, 1)
+            halves_type = ir.VectorType(ir.IntType(16), VECTOR)
+            words = ir.VectorType(ir.IntType(32), VECTOR)
 
             def constant(value):
                 return ir.Constant(index, value)
@@ -308,64 +332,59 @@ def _make_weighted_rows_tile(heads: int):
 
             acc_starts = [builder.add(builder.mul(builder.add(head0, constant(k)), acc_cols), chan0)
                           for k in range(heads)]
-            initial = [[builder.load(vector_at(acc_arr.data, builder.add(acc_starts[k], constant(v * VECTOR))), align=4)
-                        for v in range(2)] for k in range(heads)]
-            entry = builder.block
-            loop = builder.append_basic_block("weighted_rows")
-            done = builder.append_basic_block("weighted_done")
-            builder.cbranch(builder.icmp_signed(">", num_rows, constant(0)), loop, done)
-            builder.position_at_end(loop)
-            n = builder.phi(index)
-            n.add_incoming(constant(0), entry)
-            accumulators = [[builder.phi(vector) for _ in range(2)] for _ in range(heads)]
-            for k in range(heads):
-                for v in range(2):
-                    accumulators[k][v].add_incoming(initial[k][v], entry)
             if prefetching:
                 ahead_data = context.make_array(sig.args[6])(context, builder, args[6]).data
                 starts_data = context.make_array(sig.args[7])(context, builder, args[7]).data
-                with builder.if_then(builder.icmp_signed("<", n, args[8]), likely=True):
-                    ahead_row = builder.add(builder.load(builder.gep(starts_data, [n])), chan0)
-                    per_line = CACHE_LINE // context.get_abi_sizeof(context.get_data_type(sig.args[6].dtype))
-                    for line in range(0, WEIGHTED_CHANNELS, per_line):
-                        _prefetch(builder, builder.gep(ahead_data, [builder.add(ahead_row, constant(line))]),
-                                  write=False, locality=PREFETCH_KEEP_EVERYWHERE)
-            row_start = builder.add(builder.mul(n, row_cols), chan0)
-            if bf16_rows:  # widened in registers: the bf16 bits shifted into the high half
-                halves = ir.VectorType(ir.IntType(16), VECTOR)
-                words = ir.VectorType(ir.IntType(32), VECTOR)
-                values = []
-                for v in range(2):
+            for first_pass, (pass_heads, halves) in enumerate(_weighted_passes(heads)):
+                # (head, half) pairs: accumulator k, v holds acc[head0 + k, chan0 + 16 v : + 16]
+                tiles = [(k, v) for k in pass_heads for v in halves]
+                initial = [builder.load(vector_at(acc_arr.data, builder.add(acc_starts[k], constant(v * VECTOR))),
+                                        align=4) for k, v in tiles]
+                entry = builder.block
+                loop = builder.append_basic_block("weighted_rows")
+                done = builder.append_basic_block("weighted_done")
+                builder.cbranch(builder.icmp_signed(">", num_rows, constant(0)), loop, done)
+                builder.position_at_end(loop)
+                n = builder.phi(index)
+                n.add_incoming(constant(0), entry)
+                accumulators = [builder.phi(vector) for _ in tiles]
+                for acc, value in zip(accumulators, initial):
+                    acc.add_incoming(value, entry)
+                if prefetching and first_pass == 0:
+                    with builder.if_then(builder.icmp_signed("<", n, args[8]), likely=True):
+                        ahead_row = builder.add(builder.load(builder.gep(starts_data, [n])), chan0)
+                        per_line = CACHE_LINE // context.get_abi_sizeof(context.get_data_type(sig.args[6].dtype))
+                        for line in range(0, WEIGHTED_CHANNELS, per_line):
+                            _prefetch(builder, builder.gep(ahead_data, [builder.add(ahead_row, constant(line))]),
+                                      write=False, locality=PREFETCH_KEEP_EVERYWHERE)
+                row_start = builder.add(builder.mul(n, row_cols), chan0)
+                values = {}
+                for v in halves:
                     address = builder.gep(rows_arr.data, [builder.add(row_start, constant(v * VECTOR))])
-                    bits = builder.load(builder.bitcast(address, halves.as_pointer()), align=2)
-                    shifted = builder.shl(builder.zext(bits, words), ir.Constant(words, [16] * VECTOR))
-                    values.append(builder.bitcast(shifted, vector))
-            else:
-                values = [builder.load(vector_at(rows_arr.data, builder.add(row_start, constant(v * VECTOR))),
-                                       align=4) for v in range(2)]
-            weight_start = builder.add(builder.mul(n, weight_cols), head0)
-            updated = []
-            for k in range(heads):
-                weight = builder.load(builder.gep(weights_arr.data, [builder.add(weight_start, constant(k))]))
-                spread = _splat(builder, weight, vector)
-                updated.append([builder.call(fma, [spread, values[v], accumulators[k][v]]) for v in range(2)])
-            next_n = builder.add(n, constant(1))
-            body_end = builder.block
-            n.add_incoming(next_n, body_end)
-            for k in range(heads):
-                for v in range(2):
-                    accumulators[k][v].add_incoming(updated[k][v], body_end)
-            builder.cbranch(builder.icmp_signed("<", next_n, num_rows), loop, done)
-            builder.position_at_end(done)
-            finals = [[builder.phi(vector) for _ in range(2)] for _ in range(heads)]  # phis first
-            for k in range(heads):
-                for v in range(2):
-                    finals[k][v].add_incoming(initial[k][v], entry)
-                    finals[k][v].add_incoming(updated[k][v], body_end)
-            for k in range(heads):
-                for v in range(2):
-                    target = vector_at(acc_arr.data, builder.add(acc_starts[k], constant(v * VECTOR)))
-                    builder.store(finals[k][v], target, align=4)
+                    if bf16_rows:  # widened in registers: the bf16 bits shifted into the high half
+                        bits = builder.load(builder.bitcast(address, halves_type.as_pointer()), align=2)
+                        shifted = builder.shl(builder.zext(bits, words), ir.Constant(words, [16] * VECTOR))
+                        values[v] = builder.bitcast(shifted, vector)
+                    else:
+                        values[v] = builder.load(builder.bitcast(address, vector.as_pointer()), align=4)
+                weight_start = builder.add(builder.mul(n, weight_cols), head0)
+                spreads = {k: _splat(builder, builder.load(builder.gep(weights_arr.data, [
+                    builder.add(weight_start, constant(k))])), vector) for k in pass_heads}
+                updated = [builder.call(fma, [spreads[k], values[v], acc]) for (k, v), acc in zip(tiles, accumulators)]
+                next_n = builder.add(n, constant(1))
+                body_end = builder.block
+                n.add_incoming(next_n, body_end)
+                for acc, value in zip(accumulators, updated):
+                    acc.add_incoming(value, body_end)
+                builder.cbranch(builder.icmp_signed("<", next_n, num_rows), loop, done)
+                builder.position_at_end(done)
+                finals = [builder.phi(vector) for _ in tiles]  # phis first
+                for final, before, after in zip(finals, initial, updated):
+                    final.add_incoming(before, entry)
+                    final.add_incoming(after, body_end)
+                for (k, v), final in zip(tiles, finals):
+                    builder.store(final, vector_at(acc_arr.data, builder.add(acc_starts[k], constant(v * VECTOR))),
+                                  align=4)
             return context.get_dummy_value()
 
         return signature, codegen
