@@ -133,6 +133,20 @@ def _prefetch(builder, address, *, write: bool, locality: int) -> None:
                             ir.Constant(i32, locality), ir.Constant(i32, data_cache)])
 
 
+def _close_loop(builder, counter, accumulators, updated, bound, loop, done):
+    """End the body of a counted loop whose header holds the phis ``counter`` and ``accumulators``: feed
+    them ``counter + 1`` and ``updated``, loop back while ``counter + 1 < bound``, continue at ``done``.
+    Returns the body's last block (the incoming block of phis in ``done``)."""
+    following = builder.add(counter, ir.Constant(counter.type, 1))
+    body_end = builder.block
+    counter.add_incoming(following, body_end)
+    for acc, value in zip(accumulators, updated):
+        acc.add_incoming(value, body_end)
+    builder.cbranch(builder.icmp_signed("<", following, bound), loop, done)
+    builder.position_at_end(done)
+    return body_end
+
+
 @intrinsic
 def dot_tile(typingctx, dots, q_t, keys, lane0, key0, row_starts):
     """The dot products of ``VECTOR`` lanes x ``KEYS_PER_TILE`` keys, a vector accumulator per key in
@@ -254,13 +268,7 @@ def dot_tile(typingctx, dots, q_t, keys, lane0, key0, row_starts):
                           locality=PREFETCH_KEEP_EVERYWHERE)
             updated = [multiply_add(q_vector, builder.load(builder.gep(key_rows[k], [channel])), acc)
                        for k, acc in zip(keys, accumulators)]
-            next_channel = builder.add(channel, constant(1))
-            body_end = builder.block
-            channel.add_incoming(next_channel, body_end)
-            for acc, value in zip(accumulators, updated):
-                acc.add_incoming(value, body_end)
-            builder.cbranch(builder.icmp_signed("<", next_channel, depth), loop, done)
-            builder.position_at_end(done)
+            _close_loop(builder, channel, accumulators, updated, depth, loop, done)
             for k, value in zip(keys, updated):
                 row_start = builder.add(builder.mul(builder.add(key0, constant(k)), dots_cols), lane0)
                 builder.store(value, vector_at(dots_arr.data, row_start, vector), align=4)
@@ -371,13 +379,7 @@ def _make_weighted_rows_tile(heads: int):
                 spreads = {k: _splat(builder, builder.load(builder.gep(weights_arr.data, [
                     builder.add(weight_start, constant(k))])), vector) for k in pass_heads}
                 updated = [builder.call(fma, [spreads[k], values[v], acc]) for (k, v), acc in zip(tiles, accumulators)]
-                next_n = builder.add(n, constant(1))
-                body_end = builder.block
-                n.add_incoming(next_n, body_end)
-                for acc, value in zip(accumulators, updated):
-                    acc.add_incoming(value, body_end)
-                builder.cbranch(builder.icmp_signed("<", next_n, num_rows), loop, done)
-                builder.position_at_end(done)
+                body_end = _close_loop(builder, n, accumulators, updated, num_rows, loop, done)
                 finals = [builder.phi(vector) for _ in tiles]  # phis first
                 for final, before, after in zip(finals, initial, updated):
                     final.add_incoming(before, entry)
