@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from sparsekv.kernels.cpu._bits import as_numba
+from sparsekv.kernels.cpu import _tile_ir
 from sparsekv.kernels.cpu._score_tasks import keys_seen, relu_sums, task_in_order, write_group_scores
 from sparsekv.kernels.cpu._tile_ir import (KEYS_PER_TILE, SQUARE_SUM_ROWS, VECTOR, WEIGHTED_CHANNELS, WEIGHTED_HEADS,
                                           _check_llvmlite_for_bfloat, _target_has_bf16_dot)
@@ -113,6 +114,24 @@ def test_fallback_without_vdpbf16ps_gives_the_instructions_bits(tmp_path):
     dots = np.zeros((KEYS_PER_TILE, VECTOR), np.float32)
     tile_dots(dots, q_pairs, chunk, VECTOR, KEYS_PER_TILE)
     assert np.array_equal(np.array(emulated["dots"], np.uint32), dots.view(np.uint32))
+
+
+@pytest.mark.parametrize("avx512", [True, False], ids=["avx512", "avx2"])
+def test_tiles_keep_their_accumulators_within_the_targets_vector_registers(monkeypatch, avx512):
+    """A 16-lane vector is one of AVX-512's 32 registers and two of AVX2's 16: each pass of a tile holds its
+    accumulators and operands within them, and the passes together cover every accumulator once."""
+    features = {"+avx2", "+fma"} | ({"+avx512f"} if avx512 else set())
+    monkeypatch.setattr(_tile_ir, "target_cpu_features", lambda: features)
+    registers, per_vector = (32, 1) if avx512 else (16, 2)
+    keys = _tile_ir._keys_per_pass()
+    assert KEYS_PER_TILE % keys == 0
+    assert (keys + 2) * per_vector <= registers  # accumulators, the query vector, the broadcast key
+    for heads in (4, 8, 12):
+        passes = _tile_ir._weighted_passes(heads)
+        covered = sorted((k, v) for pass_heads, halves in passes for k in pass_heads for v in halves)
+        assert covered == [(k, v) for k in range(heads) for v in (0, 1)]
+        for pass_heads, halves in passes:  # accumulators, the row's values, the broadcast weight
+            assert (len(pass_heads) * len(halves) + len(halves) + 1) * per_vector <= registers
 
 
 def test_an_llvmlite_older_than_the_bfloat_operands_is_refused_by_name(monkeypatch):
