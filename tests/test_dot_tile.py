@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from sparsekv.kernels.cpu._bits import as_numba
 from sparsekv.kernels.cpu import _tile_ir
+from sparsekv.kernels.cpu._bits import as_numba
 from sparsekv.kernels.cpu._score_tasks import keys_seen, relu_sums, task_in_order, write_group_scores
 from sparsekv.kernels.cpu._tile_ir import (KEYS_PER_TILE, SQUARE_SUM_ROWS, VECTOR, WEIGHTED_CHANNELS, WEIGHTED_HEADS,
                                           _check_llvmlite_for_bfloat, _target_has_bf16_dot)

@@ -93,11 +93,17 @@ def _target_has_bf16_dot() -> bool:
     return "+avx512bf16" in target_cpu_features()
 
 
+def _target_has_wide_registers() -> bool:
+    """Whether numba compiles for a CPU with AVX-512's 32 registers of 16 float32 lanes (else AVX2's 16 of 8:
+    a ``VECTOR`` takes two)."""
+    return "+avx512f" in target_cpu_features()
+
+
 def _keys_per_pass() -> int:
     """Keys whose accumulators one channel pass of :func:`dot_tile` keeps in registers: all 8 with
     AVX-512's 32 vector registers; 4 (8 of AVX2's 16 registers, the 16 lanes taking two each) otherwise,
     where 8 keys' accumulators spill to memory."""
-    return KEYS_PER_TILE if "+avx512f" in target_cpu_features() else KEYS_PER_TILE // 2
+    return KEYS_PER_TILE if _target_has_wide_registers() else KEYS_PER_TILE // 2
 
 
 def _is_c_matrix(array, dtype) -> bool:
@@ -244,8 +250,9 @@ def dot_tile(typingctx, dots, q_t, keys, lane0, key0, row_starts):
                 return builder.call(fma, [q_vec, splat(key_value, vector), acc])
 
         key_rows = [key_row(builder.add(key0, constant(k))) for k in range(KEYS_PER_TILE)]
-        for first in range(0, KEYS_PER_TILE, _keys_per_pass()):
-            keys = range(first, first + _keys_per_pass())
+        per_pass = _keys_per_pass()
+        for first in range(0, KEYS_PER_TILE, per_pass):
+            keys = range(first, first + per_pass)
             entry = builder.block
             loop = builder.append_basic_block("tile_channels")
             done = builder.append_basic_block("tile_done")
@@ -287,7 +294,7 @@ def _weighted_passes(heads: int) -> list[tuple[range, tuple[int, ...]]]:
     AVX2's 16, passes of at most 6 heads x one 16-channel half (12 of the registers, a 16-lane vector
     taking two), where more accumulators spill to memory. Each (head, channel) sums its rows in order
     either way."""
-    if "+avx512f" in target_cpu_features():
+    if _target_has_wide_registers():
         return [(range(heads), (0, 1))]
     per_pass = 6 if heads % 6 == 0 else 4
     return [(range(first, first + per_pass), (half,)) for first in range(0, heads, per_pass) for half in (0, 1)]
