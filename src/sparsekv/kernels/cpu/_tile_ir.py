@@ -110,9 +110,9 @@ def _prefetching_passes(pairs: bool) -> int:
     """How many of :func:`dot_tile`'s channel passes ask for the next tile's keys: 1 (the first pass asks
     for all eight, one per channel step), or every pass for its own keys, one every ``passes``-th
     channel step. float32 keys on AVX2 (two passes) spread them: they need twice bf16's bytes per
-    multiply-add, and keys streamed from DRAM measured 10-30% faster with the requests spread over
-    the whole tile than with all of them in its first half; bf16 keys measured 0-4% slower, so they
-    keep the first pass alone."""
+    multiply-add, and the tile streaming them from DRAM measured 6-34% faster with the requests
+    spread over the whole tile than with all of them in its first half; bf16 keys measured no gain
+    (0.94-1.02 of the rate), so they keep the first pass alone."""
     passes = KEYS_PER_TILE // _keys_per_pass()
     return passes if passes > 1 and not pairs else 1
 
