@@ -278,7 +278,7 @@ def dot_tile(typingctx, dots, q_t, keys, lane0, key0, row_starts):
                 acc.add_incoming(ir.Constant(vector, [0.0] * VECTOR), entry)
             q_start = builder.add(builder.mul(channel, q_cols), lane0)
             q_vector = builder.load(vector_at(q_arr.data, q_start, q_type), align=4)
-            if first // asked < prefetching:
+            if first // per_pass < prefetching:  # the first pass, or every pass
                 # Prefetch the next tile's keys meanwhile (keys stream from memory in place): with p =
                 # prefetching, every p-th channel step c asks for step 8p*(c // 8p) of the next tile's
                 # key first + (c // p) % asked (the pass's keys in turn), so every cache line of them
