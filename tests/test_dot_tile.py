@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
+import mmap
 import os
 import subprocess
 import sys
@@ -204,6 +206,40 @@ def test_gathered_rows_equal_the_tile_over_a_gathered_copy(dtype, dim, n):
     target = np.zeros((n, copy.shape[1]), copy.dtype)
     gather_rows(target, as_numba(flat), row_starts, n, dim)
     assert np.array_equal(target, copy[:n])
+
+
+def _int64s_before_a_guard_page(values: np.ndarray) -> np.ndarray:
+    """``values`` copied into the last elements of a page whose next page may not be read (reading past
+    the array faults instead of returning garbage)."""
+    page = mmap.PAGESIZE
+    region = mmap.mmap(-1, 2 * page, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    start = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    if ctypes.CDLL(None, use_errno=True).mprotect(ctypes.c_void_p(start + page), page, 0) != 0:  # PROT_NONE
+        pytest.skip(f"mprotect failed: errno {ctypes.get_errno()}")
+    guarded = np.frombuffer(region, np.int64, count=len(values), offset=page - 8 * len(values))
+    guarded[:] = values
+    return guarded
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="guard pages through mprotect (Linux)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_gathered_tile_reads_no_row_start_past_its_documented_bound(dtype):
+    """The gathered tile (and its prefetch of the next tile's keys) reads ``row_starts`` only up to
+    ``key0 + 2 * KEYS_PER_TILE``: with the array ending right before a page that may not be read, one
+    tile still gives the bits of the tile over a copy."""
+    dim, lanes = 64, VECTOR
+    gen = torch.Generator().manual_seed(11)
+    flat = torch.randn(4 * KEYS_PER_TILE * dim, generator=gen).to(dtype)
+    starts = torch.randperm(4 * KEYS_PER_TILE, generator=gen)[:KEYS_PER_TILE] * dim
+    row_starts = _int64s_before_a_guard_page(torch.cat([starts, starts[-1:].expand(KEYS_PER_TILE)]).numpy())
+    copy = as_numba(torch.stack([flat[s : s + dim] for s in starts.tolist()]))
+    q = torch.randn(dim, lanes, generator=gen).to(dtype)
+    q_t = _pack_pairs(as_numba(q)) if dtype == torch.bfloat16 else q.numpy()
+    want = np.zeros((KEYS_PER_TILE, lanes), np.float32)
+    tile_dots(want, q_t, copy, lanes, KEYS_PER_TILE)
+    dots = np.zeros((KEYS_PER_TILE, lanes), np.float32)
+    tile_dots(dots, q_t, as_numba(flat), lanes, KEYS_PER_TILE, row_starts)
+    assert np.array_equal(dots.view(np.int32), want.view(np.int32))
 
 
 @pytest.mark.parametrize("bf16_values", [False, True], ids=["fp32", "bf16"])
