@@ -287,7 +287,7 @@ def dot_tile(typingctx, dots, q_t, keys, lane0, key0, row_starts):
                 ahead = key_row(builder.add(builder.add(key0, constant(KEYS_PER_TILE + first)),
                                             builder.and_(turn, constant(asked - 1))))
                 target = builder.gep(ahead, [builder.and_(channel, constant(-8 * prefetching))])
-                if prefetching == 1:
+                if prefetching == 1:  # no test: even one LLVM folds away changes the AVX-512 tile's code
                     _prefetch(builder, target, write=False, locality=PREFETCH_KEEP_EVERYWHERE)
                 else:
                     step_asks = builder.icmp_signed(
