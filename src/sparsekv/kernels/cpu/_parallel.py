@@ -56,26 +56,18 @@ import numba
 import torch
 
 # NOTE: numba's OpenMP threading layer is the fastest here (the sparse
-# attention kernel ran 1.7x slower under TBB or workqueue). Whose OpenMP
-# runtime it runs on depends on how torch was built. torch's PyPI wheels load
-# their own libgomp into the process's global symbol scope, so numba's OpenMP
-# layer, loaded later, binds to that same runtime: one pool of threads serves
-# torch's ops and numba's kernels, under torch's wait policy (by default a
-# worker spins for a few ms after a region: about 7 ms of CPU here, which
-# keeps back-to-back regions cheap). Where numba's layer gets a runtime of its
-# own, two pools of spinning workers fight for the cores: with two runtimes
-# on two cores (measured by binding numba's layer to the system libgomp), a
-# short numba region took 6.2 ms right after a torch op against 0.03 ms after
-# another numba region. An OpenMP runtime reads OMP_WAIT_POLICY once, when it
-# loads, so numba's workers are launched here with OMP_WAIT_POLICY=PASSIVE
-# (the environment is restored afterwards): a runtime of numba's own then
-# sleeps when idle (the same region: 0.16 ms after a torch op, 0.07 ms after
-# a numba region), and a runtime shared with torch, loaded long before, is
-# left as torch set it (0.065 and 0.03 ms). A user's own
-# NUMBA_THREADING_LAYER(_PRIORITY) or OMP_WAIT_POLICY wins; OMP_WAIT_POLICY=
-# PASSIVE set before torch loads makes every worker sleep when idle, at the
-# cost of a wake-up per region (a 0.3 ms decode pool score on two threads
-# took 0.39-0.40 ms with it).
+# attention kernel ran 1.7x slower under TBB or workqueue). With torch's PyPI
+# wheels it binds to torch's own libgomp (loaded into the global symbol scope
+# first): one pool of threads for both, under torch's wait policy. Where it
+# gets a runtime of its own, two pools of spinning workers fight for the cores
+# (a short numba region took 6.2 ms right after a torch op instead of 0.03 ms).
+# An OpenMP runtime reads OMP_WAIT_POLICY once, when it loads, so numba's
+# workers are launched here with OMP_WAIT_POLICY=PASSIVE (the environment is
+# restored afterwards): a runtime of numba's own sleeps when idle, and one
+# shared with torch is left as torch set it. A user's own
+# NUMBA_THREADING_LAYER(_PRIORITY) or OMP_WAIT_POLICY wins. Figures, and what
+# OMP_WAIT_POLICY=PASSIVE set before torch loads costs: docs/benchmarks.md,
+# "Idle workers".
 def _launch_sleeping_workers() -> None:
     if any(name in os.environ for name in
            ("NUMBA_THREADING_LAYER", "NUMBA_THREADING_LAYER_PRIORITY", "OMP_WAIT_POLICY")):
