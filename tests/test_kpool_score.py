@@ -129,6 +129,23 @@ def test_score_without_heads_is_an_empty_sum():
     assert torch.equal(got, want) and bool((want == 0).any())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_score_cpu_reads_pages_that_lie_apart(dtype):
+    """Blocks that are every other page of a larger buffer (pages apart, each one contiguous): the CPU
+    kernel's flat view steps over the gaps and scores as it does on the same pages packed."""
+    coll, q, w, positions, offsets, _, _ = score_case(dtype, seed=26)
+    buffer = torch.full((2 * coll.num_pages, *coll.blocks.shape[1:]), float("nan"), dtype=dtype)
+    apart = buffer[::2]
+    apart.copy_(coll.blocks)
+    assert not apart.is_contiguous() and apart[0].is_contiguous()
+    packed, spread, want = (torch.full((q.shape[0], 12), float("nan")) for _ in range(3))
+    cpu.mla_kpool_score(packed, q, w, coll.blocks, coll.lookup_table, positions, offsets, 4, 1)
+    cpu.mla_kpool_score(spread, q, w, apart, coll.lookup_table, positions, offsets, 4, 1)
+    ref.mla_kpool_score(want, q, w, apart, coll.lookup_table, positions, offsets, 4, 1)
+    assert torch.equal(spread, packed)
+    assert_scores_close(spread, want)
+
+
 def test_score_wider_output_and_out_argument():
     coll, q, w, positions, offsets, pooled_keys, seq_of_row = score_case(torch.float32, seed=22)
     holder = torch.full((q.shape[0], 40), float("nan"))

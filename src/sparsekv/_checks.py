@@ -191,6 +191,18 @@ def _first_negative(values):
 
 
 @numba.njit(cache=True, nogil=True)
+def largest(values):
+    """The largest of the 1-d integer ``values`` (not empty; numpy's ``max`` on a decode batch's few entries
+    took ~2 us, this ~0.2)."""
+    if values.shape[0] == 0:
+        raise ValueError("largest: expected at least one value")
+    best = values[0]
+    for i in range(1, values.shape[0]):
+        best = max(best, values[i])
+    return best
+
+
+@numba.njit(cache=True, nogil=True)
 def most_rows(offsets):
     """``(b, rows)``: the first of the sequences with the most rows in ``offsets [B+1]`` (``(-1, 0)`` when
     ``B = 0``)."""

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from .._checks import (KEY_DTYPES, as_index_tensor, check_bool, check_instance, check_int, check_nonnegative,
-                       check_offsets, check_tensor, host_array)
+                       check_offsets, check_tensor, host_array, largest)
 from .._env import host_checks
 from ..cache.layout import PagedKVCacheCollection
 from ..kernels.reference.kpool import MODES, check_score_pages, pool_counts
@@ -371,7 +371,7 @@ def mla_kpool_score(q: torch.Tensor, head_weights: torch.Tensor, pooled_collecti
                             total_of="q rows", device=pc.device)
     host = host_checks(pc.device)
     if out_cols is None or host:
-        needed = (int(host_array(positions).max()) + 1) // kpool if total_q else 0
+        needed = (int(largest(host_array(positions))) + 1) // kpool if total_q else 0
         if host and needed > pc.max_pages_per_seq * pc.page_size:
             # a row sees a pool past the lookup table: refuse before sizing anything by its position
             check_score_pages(pc.lookup_table, pc.num_pages, pc.page_size, positions, offsets, kpool, needed)

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from ._bits import as_numba, narrow
-from ._tile_ops import new_query_tiles, put_query
+from ._tile_ops import new_query_tiles, put_queries
 
 
 def flat_plane(blocks: torch.Tensor, plane: int, layer: int) -> tuple[np.ndarray, int, int]:
@@ -19,11 +19,22 @@ def flat_plane(blocks: torch.Tensor, plane: int, layer: int) -> tuple[np.ndarray
     same element of plane ``plane + k`` is ``k * plane_span(blocks)`` further.
     A flat array lets LLVM vectorise the channel loops, which it cannot do
     through a strided 6-d view whose innermost stride is only known at run time.
+    Pages may lie apart (``blocks.stride(0)``), their insides must be
+    contiguous, and there must be at least one page.
+
+    The view is made in numpy: a torch op right after a kernel that streamed
+    megabytes of keys runs with its code out of the caches (``as_strided``
+    then cost 20-50 us, against 1 us back to back).
     """
     pages, kv, _, page_size, heads, dim = blocks.shape
     one_plane = plane_span(blocks)
-    flat = blocks.as_strided(((pages - 1) * blocks.stride(0) + kv * one_plane,), (1,))
-    return as_numba(flat), blocks.stride(0), plane * one_plane + layer * page_size * heads * dim
+    cache = as_numba(blocks)
+    if blocks.is_contiguous():
+        flat = cache.reshape(-1)
+    else:
+        flat = np.lib.stride_tricks.as_strided(cache, ((pages - 1) * blocks.stride(0) + kv * one_plane,),
+                                               (cache.itemsize,))
+    return flat, blocks.stride(0), plane * one_plane + layer * page_size * heads * dim
 
 
 def plane_span(blocks: torch.Tensor) -> int:
@@ -76,6 +87,5 @@ def query_tile_of_heads(q, r, h0, group, lanes):
     """One query tile (:func:`._tile_ops.new_query_tiles`, ``lanes`` wide) holding row ``r``'s heads
     ``h0 .. h0+group-1`` of ``q [total_q, q_heads, D]`` in lanes ``0 .. group-1``, zeros after."""
     q_t = new_query_tiles(q, 1, lanes)[0]
-    for h in range(group):
-        put_query(q_t, h, q[r, h0 + h])
+    put_queries(q_t, 0, q[r, h0 : h0 + group])
     return q_t

@@ -29,6 +29,8 @@ import numpy as np
 import torch
 
 from ._bits import as_numba
+from ._pages import first_missing_page
+from ._paged_rows import flat_plane
 from ._parallel import threads_for, worker_tasks
 from ._score_tasks import plan_score_tasks, row_group, score_task, write_group_scores
 from ._tile_ir import KEYS_PER_TILE
@@ -36,9 +38,11 @@ from ._tile_ops import KEYS_PER_TASK, dots_of_rows, new_scratch, prefetch_span
 
 
 @numba.njit(cache=True, nogil=True)
-def visible_keys(positions, offsets, ratio, out_cols):
-    """``(visible [total_q], needed [B], total)``: the keys each row sees (``(t+1)//ratio`` capped at
-    ``out_cols``), the most any row of each sequence sees, and their sum (the work to split)."""
+def visible_keys(positions, offsets, ratio, out_cols, table, num_pages, per_page):
+    """``(visible [total_q], total, missing)``: the keys each row sees (``(t+1)//ratio`` capped at
+    ``out_cols``), their sum (the work to split), and the first page a row's keys need that ``table`` lacks
+    (:func:`._pages.first_missing_page`; pages of ``per_page`` keys, ``num_pages`` in the cache):
+    ``(sequence, first key of the page)`` or ``(-1, -1)``. One call for both: a numba call costs ~1 us."""
     batch = offsets.shape[0] - 1
     visible = np.empty(positions.shape[0], np.int64)
     needed = np.zeros(batch, np.int64)
@@ -48,7 +52,7 @@ def visible_keys(positions, offsets, ratio, out_cols):
             visible[r] = min(max((np.int64(positions[r]) + 1) // ratio, 0), out_cols)
             needed[b] = max(needed[b], visible[r])
             total += visible[r]
-    return visible, needed, total
+    return visible, total, first_missing_page(table, num_pages, per_page, needed)
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -120,20 +124,16 @@ def paged_scores(scores: torch.Tensor, q: torch.Tensor, head_weights: np.ndarray
     """Run :func:`_paged_score_kernel` over plane 0 of ``layer`` of ``blocks [num_pages, KV, layers, per_page,
     1, D]`` (pages validated by the caller for every key a row sees), writing ``scores`` in place;
     ``visible``/``total_visible`` from :func:`visible_keys`."""
-    num_pages, planes, layers, per_page, _, dim = blocks.shape
-    if num_pages == 0:  # validated by the caller: no row sees a key
-        cache, page_stride = blocks.new_empty(0), 0
+    if blocks.shape[0] == 0:  # validated by the caller: no row sees a key
+        cache, page_stride, base = as_numba(blocks).reshape(-1), 0, 0
     else:
         # pages may be strided, not their insides (the whole tensor is asked first: indexing a page costs ~1 us)
         if not (blocks.is_contiguous() or blocks[0].is_contiguous()):
             blocks = blocks.contiguous()
-        page_stride = blocks.stride(0)
-        span = (num_pages - 1) * page_stride + planes * layers * per_page * dim
-        cache = blocks.as_strided((span,), (1,))  # flat: numba vectorises contiguous slices only
-    base = layer * per_page * dim  # plane 0 of this layer
+        cache, page_stride, base = flat_plane(blocks, 0, layer)
     target = scores if scores.is_contiguous() else torch.empty_like(scores, memory_format=torch.contiguous_format)
     with threads_for(total_visible * q.shape[1] * q.shape[2]) as threads:
-        _paged_score_kernel(target.numpy(), as_numba(q.contiguous()), head_weights, as_numba(cache), page_stride,
-                            base, per_page, lookup_table.numpy(), visible, offsets, np.float32(divisor), threads)
+        _paged_score_kernel(target.numpy(), as_numba(q.contiguous()), head_weights, cache, page_stride, base,
+                            blocks.shape[3], lookup_table.numpy(), visible, offsets, np.float32(divisor), threads)
     if target is not scores:
         scores.copy_(target)

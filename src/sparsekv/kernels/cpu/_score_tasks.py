@@ -19,7 +19,7 @@ from numba.extending import overload
 
 from ._parallel import balanced_order
 from ._tile_ir import KEYS_PER_TILE, VECTOR, relu_head_sums_block
-from ._tile_ops import KEYS_PER_TASK, new_query_tiles, put_query, transpose_dots
+from ._tile_ops import KEYS_PER_TASK, new_query_tiles, put_queries, transpose_dots
 
 LANES_PER_GROUP = 32
 """(row, head) pairs whose dot products run together over a task's keys."""
@@ -58,8 +58,7 @@ def plan_score_tasks(scores, q, offsets, visible):
         b = np.searchsorted(offsets, r, side="right") - 1
         local = r - offsets[b]
         block = q_t[group_starts[b] + local // group_rows]
-        for h in range(heads):
-            put_query(block, local % group_rows * heads + h, q[r, h])
+        put_queries(block, local % group_rows * heads, q[r])
         score_row = scores[r]
         for k in range(visible[r], scores.shape[1]):
             score_row[k] = -np.inf

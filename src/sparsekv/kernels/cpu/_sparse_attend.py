@@ -58,7 +58,7 @@ from ._paged_rows import flat_plane, plane_span, query_tile_of_heads, token_star
 from ._parallel import PARALLEL_JIT, balanced_order, threads_for
 from ._tile_ir import KEYS_PER_TILE, VECTOR, WEIGHTED_CHANNELS
 from ._tile_ops import (VALUE_ROWS, dots_of_gathered_rows, gather_rows, new_query_tiles, new_scratch,
-                        new_value_scratch, put_query, weighted_rows)
+                        new_value_scratch, put_queries, weighted_rows)
 
 GROUPS_PER_TASK = 8  # groups of rows sharing a tile per task, at most (several KV heads)
 
@@ -175,8 +175,7 @@ def attend_packed_rows(out, lse, q, cache, page_stride, key_base, value_shift, p
     h0 = kv_head * group
     q_t = new_query_tiles(q, 1, lanes)[0]
     for j in range(rows):
-        for h in range(group):
-            put_query(q_t, j * group + h, q[r0 + j, h0 + h])
+        put_queries(q_t, j * group, q[r0 + j, h0 : h0 + group])
     acc, row_max, denom = attend_positions(q_t, merged, table[seq_of_row[r0]], cache, page_stride, key_base,
                                            value_shift, page_size, kv_heads, kv_head, dim, scale, selected,
                                            rows * group, out.shape[2], padded_v)

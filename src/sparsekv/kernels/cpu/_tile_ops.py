@@ -4,7 +4,7 @@
 for float32 ``q_t [D, lanes]`` (``lanes`` a multiple of ``VECTOR``) and
 ``keys [rows, D]``, or the bf16 pair layout (int32 ``q_t [P, lanes]``, uint16
 keys); :func:`new_scratch`, :func:`put_key_row`, :func:`new_query_tiles` and
-:func:`put_query` build those layouts from the dtypes.
+:func:`put_queries` build those layouts from the dtypes.
 
 :func:`dots_of_rows` runs the tiles on keys read in place (a page's
 consecutive pooled keys, a sequence's block keys): whole tiles straight from
@@ -309,20 +309,30 @@ def new_query_tiles_overload(q, groups, lanes):
     return lambda q, groups, lanes: np.zeros((groups, q.shape[2], lanes), np.float32)
 
 
-def put_query(tile, lane, q_row):
-    """Column ``lane`` of one group's query tile = ``q_row`` in the tile's layout (numba only)."""
+def put_queries(tile, lane0, q_rows):
+    """Columns ``lane0 .. lane0 + n - 1`` of one group's query tile = ``q_rows [n, D]`` (e.g. one row's
+    heads) in the tile's layout (numba only)."""
     raise NotImplementedError
 
 
-@overload(put_query, inline="always")
-def put_query_overload(tile, lane, q_row):
+@overload(put_queries, inline="always")
+def put_queries_overload(tile, lane0, q_rows):
+    # channel outer, row inner: each pass stores along a tile row (4 row groups of GLM's 32 heads took
+    # 3.0 us, against 4.8 us row by row and 7.3 us or-ing each half of a pair in)
     if tile.dtype == types.int32:
-        def pack_pairs(tile, lane, q_row):
-            for d in range(q_row.shape[0]):
-                tile[d // 2, lane] |= np.int32(np.int64(q_row[d]) << (16 * (d % 2)))
+        def pack_pairs(tile, lane0, q_rows):
+            n, dim = q_rows.shape
+            for p in range(dim // 2):
+                for i in range(n):
+                    tile[p, lane0 + i] = np.int32(np.int64(q_rows[i, 2 * p]) | (np.int64(q_rows[i, 2 * p + 1]) << 16))
+            if dim % 2:
+                for i in range(n):
+                    tile[dim // 2, lane0 + i] = np.int32(q_rows[i, dim - 1])
         return pack_pairs
 
-    def widen_column(tile, lane, q_row):
-        for d in range(q_row.shape[0]):
-            tile[d, lane] = widen(q_row[d])
-    return widen_column
+    def widen_columns(tile, lane0, q_rows):
+        n, dim = q_rows.shape
+        for d in range(dim):
+            for i in range(n):
+                tile[d, lane0 + i] = widen(q_rows[i, d])
+    return widen_columns

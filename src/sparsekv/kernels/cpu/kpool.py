@@ -45,7 +45,6 @@ from numba.extending import overload
 from ..reference.kpool import score_page_error
 from ._bits import as_numba, copy_row, narrow, widen
 from ._math import exp_f32
-from ._pages import first_missing_page
 from ._paged_score import paged_scores, visible_keys
 from ._parallel import numba_threads
 
@@ -296,15 +295,16 @@ def mla_kpool_score(scores, q, head_weights, pooled_blocks, lookup_table, query_
     """
     if scores.shape[0] == 0:
         return
-    visible, needed, total_visible = visible_keys(query_positions.numpy(), input_row_offsets.numpy(), kpool,
-                                                  scores.shape[1])
-    per_page = pooled_blocks.shape[3]
-    seq, pool = first_missing_page(lookup_table.numpy(), pooled_blocks.shape[0], per_page, needed)
+    offsets, per_page = input_row_offsets.numpy(), pooled_blocks.shape[3]
+    visible, total_visible, (seq, pool) = visible_keys(query_positions.numpy(), offsets, kpool, scores.shape[1],
+                                                       lookup_table.numpy(), pooled_blocks.shape[0], per_page)
     if seq >= 0:
         raise score_page_error(lookup_table, pooled_blocks.shape[0], per_page, query_positions, input_row_offsets,
                                kpool, seq, pool)
-    paged_scores(scores, q, head_weights.float().contiguous().numpy(), pooled_blocks, lookup_table, visible,
-                 total_visible, input_row_offsets.numpy(), layer, 1.0)
+    if head_weights.dtype != torch.float32:  # a torch op even where there is nothing to convert
+        head_weights = head_weights.float()
+    paged_scores(scores, q, head_weights.contiguous().numpy(), pooled_blocks, lookup_table, visible, total_visible,
+                 offsets, layer, 1.0)
 
 
 __all__ = ["mla_kpool_compress", "mla_kpool_ring_close", "mla_kpool_score", "mla_kpool_seed_tail"]

@@ -405,8 +405,8 @@ def qsa_block_score_paged(scores, q, block_blocks, lookup_table, query_positions
     if scores.shape[0] == 0:
         return
     offsets = input_row_offsets.numpy()
-    visible, needed, total_visible = visible_keys(query_positions.numpy(), offsets, ratio, scores.shape[1])
-    b, j = first_missing_page(lookup_table.numpy(), block_blocks.shape[0], block_blocks.shape[3], needed)
+    visible, total_visible, (b, j) = visible_keys(query_positions.numpy(), offsets, ratio, scores.shape[1],
+                                                  lookup_table.numpy(), block_blocks.shape[0], block_blocks.shape[3])
     if b >= 0:
         raise page_error(lookup_table, block_blocks.shape[0], block_blocks.shape[3], b, j)
     paged_scores(scores, q, None, block_blocks, lookup_table, visible, total_visible, offsets, layer,
