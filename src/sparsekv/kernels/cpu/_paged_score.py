@@ -57,14 +57,18 @@ def visible_keys(positions, offsets, ratio, out_cols, table, num_pages, per_page
 
 @numba.njit(cache=True, nogil=True, inline="always")
 def _prefetch_page(cache, table, b, key, num_keys, page_stride, base, per_page, dim):
-    """Ask for sequence ``b``'s keys from ``key`` to the end of its page (none at or past ``num_keys``,
-    whose pages are validated): the page after the one being scored, fetched while it computes. Pages lie
-    anywhere, so the hardware prefetcher cannot run ahead from one to the next (measured with the keys
-    out of the caches: 13-15% of a bf16 decode call)."""
+    """Ask for the first tile of sequence ``b``'s keys from ``key`` (none at or past ``num_keys``, whose
+    pages are validated): the start of the page after the one being scored, fetched while it computes.
+    Pages lie anywhere, so neither the hardware prefetcher nor a tile's prefetch of the next tile's keys
+    (:func:`._tile_ops.dots_of_rows`, which covers the rest of the page) runs ahead from one page to
+    the next (measured with the keys out of the caches: 13-15% of a bf16 decode call). Asking for the
+    whole page, whose later tiles then asked for their lines a second time, measured 2-13% slower with
+    pages of 32 keys (decode shapes of both callers, keys in L3 or in DRAM; two threads) and the same
+    within noise with 16."""
     if key < num_keys:
         slot = key % per_page
         start = table[b, key // per_page] * page_stride + base + slot * dim
-        prefetch_span(cache, start, min(per_page - slot, num_keys - key) * dim)
+        prefetch_span(cache, start, min(KEYS_PER_TILE, per_page - slot, num_keys - key) * dim)
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
@@ -75,8 +79,8 @@ def _paged_score_kernel(scores, q, head_weights, cache, page_stride, base, per_p
     ``cache[n*page_stride + base + s*D]``; ``divisor`` float32.
 
     Each group of a task's rows runs over the chunk's keys it sees (none: the group is skipped), page by
-    page, while the next page is prefetched. ``q_t[group]`` holds a row group's queries transposed, ``[D,
-    lanes]``, zero padding lanes. The tasks run as ``threads`` contiguous runs
+    page, while the start of the next page is prefetched. ``q_t[group]`` holds a row group's queries
+    transposed, ``[D, lanes]``, zero padding lanes. The tasks run as ``threads`` contiguous runs
     (:func:`._parallel.worker_tasks`), each with one set of scratch.
     """
     total_q, heads, dim = q.shape
