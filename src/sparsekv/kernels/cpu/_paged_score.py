@@ -56,19 +56,31 @@ def visible_keys(positions, offsets, ratio, out_cols, table, num_pages, per_page
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _prefetch_page(cache, table, b, key, num_keys, page_stride, base, per_page, dim):
-    """Ask for the first tile of sequence ``b``'s keys from ``key`` (none at or past ``num_keys``, whose
-    pages are validated): the start of the page after the one being scored, fetched while it computes.
-    Pages lie anywhere, so neither the hardware prefetcher nor a tile's prefetch of the next tile's keys
-    (:func:`._tile_ops.dots_of_rows`, which covers the rest of the page) runs ahead from one page to
-    the next (measured with the keys out of the caches: 13-15% of a bf16 decode call). Asking for the
-    whole page, whose later tiles then asked for their lines a second time, measured 2-13% slower with
-    pages of 32 keys (decode shapes of both callers, keys in L3 or in DRAM; two threads) and the same
-    within noise with 16."""
+def _prefetch_page(cache, table, b, key, num_keys, page_stride, base, per_page, dim, most, from_l2):
+    """Ask for up to ``most`` of sequence ``b``'s keys from ``key`` to the end of its page (none at or past
+    ``num_keys``, whose pages are validated), into L2 and beyond with ``from_l2``, else into L1 too."""
     if key < num_keys:
         slot = key % per_page
         start = table[b, key // per_page] * page_stride + base + slot * dim
-        prefetch_span(cache, start, min(KEYS_PER_TILE, per_page - slot, num_keys - key) * dim)
+        prefetch_span(cache, start, min(most, per_page - slot, num_keys - key) * dim, from_l2)
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _prefetch_ahead(cache, table, b, key, num_keys, page_stride, base, per_page, dim):
+    """Ask for the keys of the two pages from ``key`` (the start of the page after the one being scored)
+    while this one computes: the next page's first tile into L1, and the whole page after it into L2.
+
+    Pages lie anywhere, so the hardware prefetcher cannot run ahead from one to the next, nor can a
+    tile's prefetch of the next tile's keys (:func:`._tile_ops.dots_of_rows`, which asks for the rest
+    of a page). Measured against the kernel alone's peak with the keys out of the caches (as a model
+    reads each layer's keys, once a step): the whole next page was worth 13-15% of a bf16 decode call;
+    its first tile alone, the tiles asking for the rest as before, ran the same or 2-13% faster (pages
+    of 32 keys: the rest had been asked for twice); the page after it into L2, pages of 16 keys, then
+    0.52-0.63 -> 0.63-0.68 of the peak in bf16 on one thread, 0.56-0.67 -> 0.60-0.66 on two, fp32
+    0.52-0.58 -> 0.63-0.70 (into L1 as well: about half that gain, in one run). With the keys already
+    in L3 it is within noise (0.68-0.74 against 0.67-0.83)."""
+    _prefetch_page(cache, table, b, key, num_keys, page_stride, base, per_page, dim, KEYS_PER_TILE, False)
+    _prefetch_page(cache, table, b, key + per_page, num_keys, page_stride, base, per_page, dim, per_page, True)
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
@@ -79,7 +91,7 @@ def _paged_score_kernel(scores, q, head_weights, cache, page_stride, base, per_p
     ``cache[n*page_stride + base + s*D]``; ``divisor`` float32.
 
     Each group of a task's rows runs over the chunk's keys it sees (none: the group is skipped), page by
-    page, while the start of the next page is prefetched. ``q_t[group]`` holds a row group's queries
+    page, while the next two pages are prefetched (:func:`_prefetch_ahead`). ``q_t[group]`` holds a row group's queries
     transposed, ``[D, lanes]``, zero padding lanes. The tasks run as ``threads`` contiguous runs
     (:func:`._parallel.worker_tasks`), each with one set of scratch.
     """
@@ -109,7 +121,7 @@ def _paged_score_kernel(scores, q, head_weights, cache, page_stride, base, per_p
                     slot = key % per_page
                     run = min(per_page - slot, needed - column)
                     start = table[b, key // per_page] * page_stride + base + slot * dim
-                    _prefetch_page(cache, table, b, key + run, num_keys[b], page_stride, base, per_page, dim)
+                    _prefetch_ahead(cache, table, b, key + run, num_keys[b], page_stride, base, per_page, dim)
                     dots_of_rows(dots[column:], group_q, cache[start : start + run * dim].reshape((run, dim)),
                                  lanes, scratch)
                     column += run

@@ -135,6 +135,8 @@ def _splat(builder, value, kind):
 
 PREFETCH_KEEP_EVERYWHERE = 3
 """``llvm.prefetch`` locality: 0 (use once, keep in no cache) .. 3 (keep in every cache level)."""
+PREFETCH_KEEP_FROM_L2 = 2
+"""``llvm.prefetch`` locality 2 (x86 ``PREFETCHT1``): into L2 and the levels beyond it, not L1."""
 CACHE_LINE = 64  # bytes
 
 
@@ -636,15 +638,28 @@ def add_block_squares(typingctx, rows, sums, col0):
     return types.void(rows, sums, types.intp), codegen
 
 
-@intrinsic
-def prefetch_element(typingctx, array, index):
-    """Ask for the cache line of ``array[index]`` (into every cache level); never faults."""
+def _prefetch_element_typing(array, index, locality: int):
+    """Signature and codegen of a prefetch of the cache line of ``array[index]`` with ``locality``."""
     if not (isinstance(array, types.Array) and isinstance(index, types.Integer)):
         return None
 
     def codegen(context, builder, sig, args):
         data = context.make_array(sig.args[0])(context, builder, args[0]).data
-        _prefetch(builder, builder.gep(data, [args[1]]), write=False, locality=PREFETCH_KEEP_EVERYWHERE)
+        _prefetch(builder, builder.gep(data, [args[1]]), write=False, locality=locality)
         return context.get_dummy_value()
 
     return types.void(array, index), codegen
+
+
+@intrinsic
+def prefetch_element(typingctx, array, index):
+    """Ask for the cache line of ``array[index]`` (into every cache level); never faults."""
+    return _prefetch_element_typing(array, index, PREFETCH_KEEP_EVERYWHERE)
+
+
+@intrinsic
+def prefetch_element_from_l2(typingctx, array, index):
+    """Ask for the cache line of ``array[index]`` into L2 and beyond, not L1 (``PREFETCHT1``): for data read
+    later than the next few hundred nanoseconds, whose requests would otherwise hold L1's few miss
+    buffers; never faults."""
+    return _prefetch_element_typing(array, index, PREFETCH_KEEP_FROM_L2)
