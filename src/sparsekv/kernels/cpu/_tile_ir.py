@@ -34,7 +34,8 @@ multiply-add each, bf16 values widened in registers), :func:`transpose_block`
 (an 8 x 16 shuffle network), :func:`relu_head_sums_block` (a score tile's ReLU
 sum over heads, in registers) and :func:`add_block_squares` (the same network
 summing the squares of 16 rows at once, in channel order), and
-:func:`prefetch_element`. :mod:`._tile_ops` runs them over whole arrays.
+:func:`prefetch_element` (:func:`prefetch_element_from_l2`: into L2, not L1).
+:mod:`._tile_ops` runs them over whole arrays.
 """
 
 from __future__ import annotations
@@ -659,7 +660,7 @@ def prefetch_element(typingctx, array, index):
 
 @intrinsic
 def prefetch_element_from_l2(typingctx, array, index):
-    """Ask for the cache line of ``array[index]`` into L2 and beyond, not L1 (``PREFETCHT1``): for data read
-    later than the next few hundred nanoseconds, whose requests would otherwise hold L1's few miss
-    buffers; never faults."""
+    """Ask for the cache line of ``array[index]`` into L2 and beyond, not L1 (``PREFETCHT1``); never faults.
+    For data read a microsecond or more later, e.g. the paged score's page after the next one (asked for
+    into L1 as well, those requests gave about half the gain)."""
     return _prefetch_element_typing(array, index, PREFETCH_KEEP_FROM_L2)
