@@ -169,8 +169,8 @@ class ContentionPolicy:
         while other processes still take the cores, the policy stays on one
         thread for another backoff, one level longer, instead of trying, since
         a failed try costs up to a scheduler slice (and the question itself
-        about a millisecond when the cores are taken: it is asked rarely on a
-        machine that stays busy).
+        about 7 ms when the cores are taken: it is asked rarely on a machine
+        that stays busy).
         """
         if now >= self.serial_until and self.serial_calls <= 0:
             if self.level == 0 or self.cores_taken is None or not self.cores_taken(threads):
@@ -245,14 +245,19 @@ def _runnable_elsewhere() -> int:
     return max(running - own, 0)
 
 
-def cores_taken_now(threads: int, samples: int = 3, interval: float = 5e-4) -> bool | None:
+def cores_taken_now(threads: int, samples: int = 3, interval: float = 3e-3) -> bool | None:
     """Whether the runnable tasks of other processes leave fewer than ``threads`` of this process's
-    CPUs free, in each of ``samples`` readings ``interval`` seconds apart (a kernel thread that runs
-    for a moment is not a competitor); ``None`` where that cannot be read (not Linux).
+    CPUs free, in each of ``samples`` readings ``interval`` seconds apart (a task that runs for a few
+    milliseconds is not a competitor); ``None`` where that cannot be read (not Linux).
 
     A reading costs about 0.1 ms, and the readings stop at the first that
     finds the cores free, so the policy asks only to confirm a region that
-    looked contended.
+    looked contended; cores that stay taken cost the whole ``(samples - 1) *
+    interval``. On the idle 2-core machine, right after two-thread kernels,
+    readings 0.5 ms apart confirmed 0.08-0.11% of the time (about one region
+    per benchmark run then ran on one thread for 0.1 s or more), 1.5 ms apart
+    0.04-0.06%, 3 ms apart none of 96k; with one busy process all three
+    confirmed every time (6.7 ms a question instead of 1.5).
     """
     try:
         cpus = len(os.sched_getaffinity(0))
