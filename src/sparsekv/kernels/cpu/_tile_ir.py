@@ -661,6 +661,6 @@ def prefetch_element(typingctx, array, index):
 @intrinsic
 def prefetch_element_from_l2(typingctx, array, index):
     """Ask for the cache line of ``array[index]`` into L2 and beyond, not L1 (``PREFETCHT1``); never faults.
-    For data read a microsecond or more later, e.g. the paged score's page after the next one (asked for
-    into L1 as well, those requests gave about half the gain)."""
+    For data read a microsecond or more later (the paged score's page after the next one: measured in
+    :func:`._paged_score._prefetch_ahead`)."""
     return _prefetch_element_typing(array, index, PREFETCH_KEEP_FROM_L2)
