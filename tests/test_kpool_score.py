@@ -12,6 +12,7 @@ from sparsekv import (
     mla_kpool_compress,
     mla_kpool_expand_topk,
     mla_kpool_score,
+    plan_kpool_score,
     store_pooled_keys,
 )
 from sparsekv.kernels.cpu import kpool as cpu
@@ -199,6 +200,47 @@ def test_score_missing_page_raises_before_writing(backend):
     with pytest.raises(ValueError, match=message):
         kernels.mla_kpool_score(scores, q, w, broken.blocks, table, positions, offsets, 4, 1)
     assert bool((scores == 7.0).all()), "wrote before raising"
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_plan_runs_each_layer_as_the_one_shot_op(backend, monkeypatch, seed):
+    """One plan, two layers' queries and keys: each run equals the public op bit for bit, and the plan keeps
+    its own positions when the caller changes theirs between runs (the custom op's path on the reference
+    backend, the CPU backend's own plan on the CPU)."""
+    monkeypatch.setenv("SPARSEKV_BACKEND", backend)
+    coll, q, w, positions, offsets, _, _ = score_case(torch.bfloat16, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    coll.blocks[:, :, 0] = torch.randn(coll.blocks[:, :, 0].shape, generator=gen).to(torch.bfloat16)
+    plan = plan_kpool_score(coll, positions, offsets, kpool=4, out_cols=13)
+    expected = [mla_kpool_score(q * (layer + 1), w, coll, layer, positions, offsets, kpool=4, out_cols=13)
+                for layer in (0, 1)]
+    planned_positions = positions.clone()
+    positions.fill_(0)
+    for layer in (1, 0):
+        got = plan.run(q * (layer + 1), w, layer)
+        assert torch.equal(got.view(torch.int32), expected[layer].view(torch.int32))
+    out = torch.empty(q.shape[0], 13)
+    assert plan.run(q, w, 0, out=out) is out and torch.equal(out, expected[0])
+    assert torch.equal(plan.query_positions, planned_positions)
+
+
+def test_plan_checks_pages_and_arguments_at_each_run():
+    """A run reads the lookup table as it is then: a page taken away after planning raises and writes
+    nothing; replaced storage, a wrong row count and a bad layer raise too."""
+    coll, q, w, positions, offsets, _, _ = score_case(torch.float32, seed=29, pools_per_page=3)
+    plan = plan_kpool_score(coll, positions, offsets, kpool=4)
+    out = torch.full((q.shape[0], 11), float("nan"))
+    coll.lookup_table[2, 1] = -1  # sequence 2, pools 3..5
+    with pytest.raises(ValueError, match=r"sees pool 3 .* its page \(lookup_table\[2, 1\]\) is the sentinel"):
+        plan.run(q, w, 1, out=out)
+    assert bool(out.isnan().all()), "wrote before raising"
+    with pytest.raises(ValueError, match="q: expected 13 rows .one per planned query position., got 12"):
+        plan.run(q[:12], w[:12], 1)
+    with pytest.raises(ValueError, match="layer_idx: expected < num_layers = 2, got 2"):
+        plan.run(q, w, 2)
+    coll.lookup_table = coll.lookup_table.clone()
+    with pytest.raises(ValueError, match="pooled_collection: its blocks or lookup table were replaced"):
+        plan.run(q, w, 1)
 
 
 def test_score_ignores_missing_pages_past_the_visible_pools():

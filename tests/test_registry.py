@@ -22,19 +22,19 @@ from sparsekv.ops import cache as cache_ops
 from sparsekv.ops import kpool as kpool_ops
 from sparsekv.ops import qsa as qsa_ops
 from sparsekv.ops import select as select_ops
-from sparsekv.ops._registry import _dispatch_needed, choose_backend, load_kernel
+from sparsekv.ops._registry import dispatch_needed, choose_backend, load_kernel
 
 
 def test_plain_tensors_skip_the_dispatcher_and_everything_else_takes_it():
     plain = torch.zeros(3)
-    assert not _dispatch_needed((plain, 4, 2.0, None))
-    assert _dispatch_needed((plain, torch.zeros(3, requires_grad=True)))
+    assert not dispatch_needed((plain, 4, 2.0, None))
+    assert dispatch_needed((plain, torch.zeros(3, requires_grad=True)))
     with torch.no_grad():  # inference: a weight that requires grad records nothing
-        assert not _dispatch_needed((plain, torch.nn.Parameter(torch.zeros(3))))
-    assert _dispatch_needed((plain, torch.empty(3, device="meta")))
+        assert not dispatch_needed((plain, torch.nn.Parameter(torch.zeros(3))))
+    assert dispatch_needed((plain, torch.empty(3, device="meta")))
     with FakeTensorMode() as mode:
         fake = mode.from_tensor(plain)
-        assert _dispatch_needed((fake,))
+        assert dispatch_needed((fake,))
 
 
 def test_entry_and_registered_op_write_the_same_scores():

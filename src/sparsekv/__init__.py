@@ -13,12 +13,14 @@ from .cache.pooled import make_pooled_collection
 from .numerics import rope_freqs_cis
 from .ops.cache import paged_store
 from .ops.kpool import (
+    KPoolScorePlan,
     kpool_pool_row_offsets,
     mla_kpool_compress,
     mla_kpool_expand_topk,
     mla_kpool_ring_close,
     mla_kpool_score,
     mla_kpool_seed_tail,
+    plan_kpool_score,
 )
 from .ops.kpool_step import kpool_indexer_step, store_pooled_keys
 from .ops.mla import mla_sparse_attention_paged
@@ -37,6 +39,7 @@ __all__ = [
     "BatchInputs",
     "CacheGroupSpec",
     "InsufficientPagesError",
+    "KPoolScorePlan",
     "SelectedTokens",
     "kpool_indexer_step",
     "kpool_pool_row_offsets",
@@ -48,6 +51,7 @@ __all__ = [
     "mla_kpool_seed_tail",
     "mla_sparse_attention_paged",
     "paged_store",
+    "plan_kpool_score",
     "qsa_block_score",
     "qsa_block_score_paged",
     "qsa_compress_keys_paged",

@@ -35,8 +35,8 @@ import torch
 
 from .._env import BACKEND_ENV, BACKENDS, debug_checks, is_cpu, requested_backend
 
-__all__ = ["BACKENDS", "BACKEND_ENV", "choose_backend", "debug_checks", "kernel", "load_kernel", "out_op",
-           "triton_status"]
+__all__ = ["BACKENDS", "BACKEND_ENV", "choose_backend", "debug_checks", "dispatch_needed", "kernel", "load_kernel",
+           "optional_kernel", "out_op", "triton_status"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -74,7 +74,7 @@ def _no_outputs(*args: object) -> None:
     return None
 
 
-def _dispatch_needed(args: tuple) -> bool:
+def dispatch_needed(args: tuple) -> bool:
     """Whether a call must go through torch's dispatcher: under torch.compile/export, for tensor
     subclasses (fake or functional tensors), meta tensors, or tensors that require grad while grad
     mode is on. An ``nn.Parameter`` (a layer's weight) is a plain tensor here, and so is one that
@@ -100,7 +100,7 @@ def out_op(name: str, mutates_args: tuple[str, ...]) -> Callable[[Callable], Cal
 
     The returned entry runs ``body`` directly on plain tensors and goes through
     the dispatcher (``torch.ops.sparsekv.<name>``) whenever torch traces or a
-    tensor needs it (:func:`_dispatch_needed`): the custom op's Python layers
+    tensor needs it (:func:`dispatch_needed`): the custom op's Python layers
     cost ~70 us a call, a third of a decode-sized score kernel. Both paths run
     the same ``body``; the op object is ``entry.custom_op``, its name (the
     kernel's name in every backend) ``entry.op_name``.
@@ -112,7 +112,7 @@ def out_op(name: str, mutates_args: tuple[str, ...]) -> Callable[[Callable], Cal
 
         @functools.wraps(body)
         def entry(*args: object) -> None:
-            if _dispatch_needed(args):
+            if dispatch_needed(args):
                 return op(*args)
             return body(*args)
 
@@ -128,6 +128,29 @@ def kernel(family: str, name: str, device: torch.device) -> Callable:
     return load_kernel(choose_backend(device), family, name)
 
 
+def optional_kernel(family: str, name: str, device: torch.device) -> Callable | None:
+    """The chosen backend's own ``name`` in ``family`` for tensors on ``device``, or ``None`` where it has none.
+
+    For what a backend may offer beyond the ops (a fast path set up once and
+    run many times, such as :class:`sparsekv.kernels.cpu.kpool.ScorePlan`):
+    no reference stands in, the caller falls back to the op itself.
+    """
+    return _own_function(choose_backend(device), family, name)
+
+
+def _own_function(backend: str, family: str, name: str) -> Callable | None:
+    """``name`` from ``sparsekv.kernels.<backend>.<family>``; ``None`` where the module does not exist (the
+    reference's must) or does not define it. Any other import failure propagates."""
+    module_name = f"sparsekv.kernels.{backend}.{family}"
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name != module_name or backend == "reference":
+            raise
+        return None
+    return getattr(module, name, None)
+
+
 @functools.lru_cache(maxsize=None)
 def load_kernel(backend: str, family: str, name: str) -> Callable:
     """``name`` from ``sparsekv.kernels.<backend>.<family>``, or the reference's when that backend lacks it.
@@ -141,16 +164,10 @@ def load_kernel(backend: str, family: str, name: str) -> Callable:
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
-    module_name = f"sparsekv.kernels.{backend}.{family}"
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name != module_name or backend == "reference":
-            raise
-        module = None
-    found = getattr(module, name, None) if module is not None else None
+    found = _own_function(backend, family, name)
     if found is not None:
         return found
     if backend == "reference":
-        raise LookupError(f"{module_name} defines no {name!r}: every op needs a reference implementation")
+        raise LookupError(f"sparsekv.kernels.reference.{family} defines no {name!r}: every op needs a reference "
+                          "implementation")
     return load_kernel("reference", family, name)

@@ -44,7 +44,7 @@ from .._checks import (KEY_DTYPES, as_index_tensor, check_bool, check_instance, 
 from .._env import host_checks
 from ..cache.layout import PagedKVCacheCollection
 from ..kernels.reference.kpool import MODES, check_score_pages, pool_counts
-from ._registry import kernel, out_op
+from ._registry import dispatch_needed, kernel, optional_kernel, out_op
 
 FAMILY = "kpool"
 
@@ -326,6 +326,129 @@ def mla_kpool_seed_tail(ring: torch.Tensor, slot_ids: torch.Tensor, k: torch.Ten
     _seed_tail_op(ring, slot_ids, k, gate, offsets, cache_lengths, kpool)
 
 
+class KPoolScorePlan:
+    """The pool scores of one batch of query rows, set up once for every indexer layer that scores them.
+
+    A decode step scores the same rows against the same pooled cache in every
+    layer (same positions and row offsets, another layer's queries and keys).
+    :func:`plan_kpool_score` validates what the layers share once;
+    :meth:`run` then scores one layer, checking only that layer's arguments:
+    on the CPU a public call spends tens of microseconds on checks and views
+    around a kernel of a few hundred (FlashInfer's wrappers split plan and
+    run for the same reason).
+
+    The plan keeps its own copies of the positions and offsets. It reads the
+    pooled cache's pages when it runs, as the lookup table holds them then,
+    and checks every page a row's pools need at each run (a missing one
+    raises ``ValueError``, nothing written).
+
+    Example, a step of three indexer layers::
+
+        plan = plan_kpool_score(pooled_cache, positions, offsets, kpool=4)
+        for layer in range(3):
+            scores = plan.run(q[layer], head_weights[layer], layer)
+    """
+
+    __slots__ = ("pooled_collection", "blocks", "lookup_table", "query_positions", "input_row_offsets", "kpool",
+                 "out_cols", "_backend_plan")
+
+    def __init__(self, pooled_collection: PagedKVCacheCollection, query_positions: torch.Tensor,
+                 input_row_offsets: torch.Tensor, kpool: int, out_cols: int) -> None:
+        """Use :func:`plan_kpool_score`, which validates the arguments."""
+        pc = pooled_collection
+        self.pooled_collection, self.blocks, self.lookup_table = pc, pc.blocks, pc.lookup_table
+        self.query_positions, self.input_row_offsets = query_positions, input_row_offsets
+        self.kpool, self.out_cols = kpool, out_cols
+        backend_plan = optional_kernel(FAMILY, "ScorePlan", pc.device)
+        if backend_plan is None or dispatch_needed((pc.blocks, pc.lookup_table, query_positions, input_row_offsets)):
+            self._backend_plan = None  # each run goes through the custom op (also while torch traces)
+        else:
+            self._backend_plan = backend_plan(pc.blocks, pc.lookup_table, query_positions, input_row_offsets, kpool,
+                                              out_cols)
+
+    def run(self, q: torch.Tensor, head_weights: torch.Tensor, layer_idx: int, *,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+        """Score every visible pool of layer ``layer_idx`` for every planned query row (SPEC 3.3).
+
+        Args:
+            q: ``[total_q, H, D]`` index queries in the pooled cache's dtype (``total_q`` planned rows).
+            head_weights: ``[total_q, H]`` float (computed in float32), already scaled.
+            layer_idx: the pooled cache's layer whose plane 0 holds this layer's pooled keys.
+            out: optional ``[total_q, out_cols]`` float32 tensor to write into.
+
+        Returns ``scores [total_q, out_cols]`` float32, as :func:`mla_kpool_score`.
+        """
+        pc = self.pooled_collection
+        if pc.blocks is not self.blocks or pc.lookup_table is not self.lookup_table:
+            raise ValueError("pooled_collection: its blocks or lookup table were replaced after the plan was made; "
+                             "make a new plan")
+        pc._check_layer(layer_idx)
+        device, total_q = self.blocks.device, self.query_positions.shape[0]
+        check_tensor("q", q, ndim=3, dtypes=KEY_DTYPES, device=device)
+        if q.shape[0] != total_q:
+            raise ValueError(f"q: expected {total_q} rows (one per planned query position), got {q.shape[0]}")
+        if q.shape[2] != pc.head_size:
+            raise ValueError(f"q: expected head dim {pc.head_size} (the pooled cache's), got {q.shape[2]}")
+        if q.dtype != pc.dtype:
+            raise TypeError(f"q: expected the pooled cache's dtype {pc.dtype}, got {q.dtype}")
+        check_tensor("head_weights", head_weights, shape=(total_q, q.shape[1]), dtypes=KEY_DTYPES, device=device)
+        if out is None:
+            out = torch.empty(total_q, self.out_cols, dtype=torch.float32, device=device)
+        else:
+            check_tensor("out", out, shape=(total_q, self.out_cols), dtypes=(torch.float32,), device=device)
+        target = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
+        if head_weights.dtype != torch.float32:  # ``.to`` costs ~0.8 us even when it has nothing to do
+            head_weights = head_weights.to(torch.float32)
+        q, head_weights = q.contiguous(), head_weights.contiguous()
+        if self._backend_plan is not None and not dispatch_needed((target, q, head_weights)):
+            self._backend_plan.run(target, q, head_weights, layer_idx)
+        else:
+            _score_op(target, q, head_weights, self.blocks, self.lookup_table, self.query_positions,
+                      self.input_row_offsets, self.kpool, layer_idx)
+        if target is not out:
+            out.copy_(target)
+        return out
+
+
+def plan_kpool_score(pooled_collection: PagedKVCacheCollection, query_positions: torch.Tensor,
+                     input_row_offsets: torch.Tensor, *, kpool: int, out_cols: int | None = None) -> KPoolScorePlan:
+    """Validate what every layer's pool score shares and set it up once (:class:`KPoolScorePlan`).
+
+    Args:
+        pooled_collection: the pooled-key cache (``num_heads == 1``, ``head_size == D``,
+            one row per pool, see ``sparsekv.cache.pooled``).
+        query_positions: ``[total_q]`` int, each row's position ``t`` in its sequence.
+        input_row_offsets: ``[B+1]`` int, query rows per sequence (``B`` = the cache's batch).
+        kpool: tokens per pool.
+        out_cols: output width, at least the largest visible pool count
+            ``max((t+1)//kpool)``, which is the default.
+
+    A visible pool on a missing page raises ``ValueError`` here (CPU) as in every :meth:`~KPoolScorePlan.run`.
+    """
+    _check_kpool(kpool)
+    pc = check_instance("pooled_collection", pooled_collection, PagedKVCacheCollection)
+    if pc.num_heads != 1:
+        raise ValueError(f"pooled_collection: expected one head (one pooled key per pool), got {pc.num_heads}")
+    positions = check_nonnegative("query_positions", query_positions, device=pc.device)
+    total_q = positions.shape[0]
+    offsets = check_offsets("input_row_offsets", input_row_offsets, batch=pc.batch_size, total=total_q,
+                            total_of="q rows", device=pc.device)
+    host = host_checks(pc.device)
+    if out_cols is None or host:
+        needed = (int(largest(host_array(positions))) + 1) // kpool if total_q else 0
+        if host and needed > pc.max_pages_per_seq * pc.page_size:
+            # a row sees a pool past the lookup table: refuse before sizing anything by its position
+            check_score_pages(pc.lookup_table, pc.num_pages, pc.page_size, positions, offsets, kpool, needed)
+        if out_cols is None:
+            out_cols = needed
+        elif check_int("out_cols", out_cols, minimum=0) < needed:
+            raise ValueError(f"out_cols: expected >= {needed} (the most pools a query row sees), got {out_cols}")
+    check_int("out_cols", out_cols, minimum=0)
+    # the plan's own copies: the caller may change its tensors between runs
+    return KPoolScorePlan(pc, positions.clone(memory_format=torch.contiguous_format),
+                          offsets.clone(memory_format=torch.contiguous_format), kpool, out_cols)
+
+
 def mla_kpool_score(q: torch.Tensor, head_weights: torch.Tensor, pooled_collection: PagedKVCacheCollection,
                     layer_idx: int, query_positions: torch.Tensor, input_row_offsets: torch.Tensor, *,
                     kpool: int, out_cols: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -346,52 +469,15 @@ def mla_kpool_score(q: torch.Tensor, head_weights: torch.Tensor, pooled_collecti
     Returns ``scores [total_q, out_cols]`` float32:
     ``sum_h head_weights[r,h] * relu(q[r,h] . K_p)`` for pools ``p`` with
     ``(p+1)*kpool - 1 <= t``, ``-inf`` elsewhere. A visible pool on a missing
-    page raises ``ValueError`` (CPU).
+    page raises ``ValueError`` (CPU). Several layers scoring the same rows:
+    :func:`plan_kpool_score` once, then :meth:`KPoolScorePlan.run` per layer.
 
     Example, kpool 4, two decode rows at ``t = [9, 3]``: row 0 sees pools 0, 1
     (``10 // 4 = 2``), row 1 sees pool 0; ``out_cols`` defaults to 2 and
     ``scores[1, 1] == -inf``.
     """
-    _check_kpool(kpool)
-    pc = check_instance("pooled_collection", pooled_collection, PagedKVCacheCollection)
-    pc._check_layer(layer_idx)
-    if pc.num_heads != 1:
-        raise ValueError(f"pooled_collection: expected one head (one pooled key per pool), got {pc.num_heads}")
-    check_tensor("q", q, ndim=3, dtypes=KEY_DTYPES, device=pc.device)
-    if q.shape[2] != pc.head_size:
-        raise ValueError(f"q: expected head dim {pc.head_size} (the pooled cache's), got {q.shape[2]}")
-    if q.dtype != pc.dtype:
-        raise TypeError(f"q: expected the pooled cache's dtype {pc.dtype}, got {q.dtype}")
-    total_q, heads = q.shape[0], q.shape[1]
-    check_tensor("head_weights", head_weights, shape=(total_q, heads), dtypes=KEY_DTYPES, device=pc.device)
-    positions = check_nonnegative("query_positions", query_positions, device=pc.device)
-    if positions.shape[0] != total_q:
-        raise ValueError(f"query_positions: expected shape ({total_q},) = q rows, got {tuple(positions.shape)}")
-    offsets = check_offsets("input_row_offsets", input_row_offsets, batch=pc.batch_size, total=total_q,
-                            total_of="q rows", device=pc.device)
-    host = host_checks(pc.device)
-    if out_cols is None or host:
-        needed = (int(largest(host_array(positions))) + 1) // kpool if total_q else 0
-        if host and needed > pc.max_pages_per_seq * pc.page_size:
-            # a row sees a pool past the lookup table: refuse before sizing anything by its position
-            check_score_pages(pc.lookup_table, pc.num_pages, pc.page_size, positions, offsets, kpool, needed)
-        if out_cols is None:
-            out_cols = needed
-        elif check_int("out_cols", out_cols, minimum=0) < needed:
-            raise ValueError(f"out_cols: expected >= {needed} (the most pools a query row sees), got {out_cols}")
-    check_int("out_cols", out_cols, minimum=0)
-    if out is None:
-        out = torch.empty(total_q, out_cols, dtype=torch.float32, device=pc.device)
-    else:
-        check_tensor("out", out, shape=(total_q, out_cols), dtypes=(torch.float32,), device=pc.device)
-    target = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
-    if head_weights.dtype != torch.float32:  # ``.to`` costs ~0.8 us even when it has nothing to do
-        head_weights = head_weights.to(torch.float32)
-    _score_op(target, q.contiguous(), head_weights.contiguous(), pc.blocks, pc.lookup_table, positions.contiguous(),
-              offsets.contiguous(), kpool, layer_idx)
-    if target is not out:
-        out.copy_(target)
-    return out
+    plan = plan_kpool_score(pooled_collection, query_positions, input_row_offsets, kpool=kpool, out_cols=out_cols)
+    return plan.run(q, head_weights, layer_idx, out=out)
 
 
 def mla_kpool_expand_topk(scores: torch.Tensor, query_positions: torch.Tensor, *, kpool: int, topk: int,

@@ -24,6 +24,8 @@ bit for bit (the same tiles and epilogue, the same keys).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numba
 import numpy as np
 import torch
@@ -134,22 +136,50 @@ def _paged_score_kernel(scores, q, head_weights, cache, page_stride, base, per_p
                                        group_weights, divisor)
 
 
+class PagedKeys(NamedTuple):
+    """A paged key cache as :func:`_paged_score_kernel` reads it: plane 0 of layer ``layer`` starts at
+    ``cache[n*page_stride + base + layer*layer_span]`` in page ``n``, ``per_page`` keys a page."""
+
+    cache: np.ndarray
+    page_stride: int
+    base: int
+    layer_span: int
+    per_page: int
+    num_pages: int
+
+
+def paged_keys(blocks: torch.Tensor) -> PagedKeys:
+    """:class:`PagedKeys` over ``blocks [num_pages, KV, layers, per_page, 1, D]`` (pages may be strided,
+    not their insides: a copy is made otherwise)."""
+    num_pages, _, _, per_page, heads, dim = blocks.shape
+    if num_pages == 0:  # validated by the caller: no row sees a key
+        return PagedKeys(as_numba(blocks).reshape(-1), 0, 0, 0, per_page, 0)
+    # the whole tensor is asked first: indexing a page costs ~1 us
+    if not (blocks.is_contiguous() or blocks[0].is_contiguous()):
+        blocks = blocks.contiguous()
+    cache, page_stride, base = flat_plane(blocks, 0, 0)
+    return PagedKeys(cache, page_stride, base, per_page * heads * dim, per_page, num_pages)
+
+
+def run_paged_scores(scores: torch.Tensor, q: torch.Tensor, head_weights: np.ndarray | None, keys: PagedKeys,
+                     table: np.ndarray, visible: np.ndarray, total_visible: int, offsets: np.ndarray, layer: int,
+                     divisor: float) -> None:
+    """Run :func:`_paged_score_kernel` over ``layer`` of ``keys`` (pages validated by the caller for every
+    key a row sees, in ``table``, the lookup table's values), writing ``scores`` in place;
+    ``visible``/``total_visible`` from :func:`visible_keys`."""
+    target = scores if scores.is_contiguous() else torch.empty_like(scores, memory_format=torch.contiguous_format)
+    with threads_for(total_visible * q.shape[1] * q.shape[2]) as threads:
+        _paged_score_kernel(target.numpy(), as_numba(q.contiguous()), head_weights, keys.cache, keys.page_stride,
+                            keys.base + layer * keys.layer_span, keys.per_page, table, visible, offsets,
+                            np.float32(divisor), threads)
+    if target is not scores:
+        scores.copy_(target)
+
+
 def paged_scores(scores: torch.Tensor, q: torch.Tensor, head_weights: np.ndarray | None, blocks: torch.Tensor,
                  lookup_table: torch.Tensor, visible: np.ndarray, total_visible: int, offsets: np.ndarray,
                  layer: int, divisor: float) -> None:
-    """Run :func:`_paged_score_kernel` over plane 0 of ``layer`` of ``blocks [num_pages, KV, layers, per_page,
-    1, D]`` (pages validated by the caller for every key a row sees), writing ``scores`` in place;
-    ``visible``/``total_visible`` from :func:`visible_keys`."""
-    if blocks.shape[0] == 0:  # validated by the caller: no row sees a key
-        cache, page_stride, base = as_numba(blocks).reshape(-1), 0, 0
-    else:
-        # pages may be strided, not their insides (the whole tensor is asked first: indexing a page costs ~1 us)
-        if not (blocks.is_contiguous() or blocks[0].is_contiguous()):
-            blocks = blocks.contiguous()
-        cache, page_stride, base = flat_plane(blocks, 0, layer)
-    target = scores if scores.is_contiguous() else torch.empty_like(scores, memory_format=torch.contiguous_format)
-    with threads_for(total_visible * q.shape[1] * q.shape[2]) as threads:
-        _paged_score_kernel(target.numpy(), as_numba(q.contiguous()), head_weights, cache, page_stride, base,
-                            blocks.shape[3], lookup_table.numpy(), visible, offsets, np.float32(divisor), threads)
-    if target is not scores:
-        scores.copy_(target)
+    """:func:`run_paged_scores` over plane 0 of ``layer`` of ``blocks [num_pages, KV, layers, per_page, 1,
+    D]`` (:func:`paged_keys`) and ``lookup_table``."""
+    run_paged_scores(scores, q, head_weights, paged_keys(blocks), lookup_table.numpy(), visible, total_visible,
+                     offsets, layer, divisor)
