@@ -11,12 +11,13 @@ import math
 import pytest
 import torch
 
-from sparsekv import mla_kpool_compress, qsa_select_tokens, rope_freqs_cis
+from sparsekv import make_pooled_collection, mla_kpool_compress, qsa_select_tokens, rope_freqs_cis
 from sparsekv.cache.manager import CacheGroupSpec, PagedKVCacheManager
 from sparsekv.demo import seed_parameters
 from sparsekv.layers import (Glm5NextConfig, Glm5NextIndexerSlice, GlmMoeDsaConfig, KPoolIndexerLayer, MlaSlice,
                              MlaSparseAttention, QSAAttention, Qwen4ExpConfig, RotaryTable, mla_cache_groups)
 from sparsekv.layers import mla as mla_module
+from sparsekv.layers.kpool import step_score_plan
 from sparsekv.layers.qsa import every_causal_token
 
 QWEN = Qwen4ExpConfig(hidden_size=48, num_hidden_layers=1, qsa_layers=(0,), num_attention_heads=4,
@@ -278,6 +279,21 @@ def test_kpool_ape_stays_float32_in_a_bf16_model():
     slice_ = Glm5NextIndexerSlice(GLM, 16, dtype=torch.bfloat16)
     assert slice_.layers[0].indexer.index_kpool_compress_ape.dtype == torch.float32
     assert slice_.layers[0].indexer.wk.weight.dtype == torch.bfloat16
+
+
+def test_kpool_indexer_refuses_a_score_plan_of_another_cache_or_pool_size():
+    indexer = Glm5NextIndexerSlice(GLM, 16).layers[0].indexer
+    blocks = torch.zeros(2, 1, 1, PAGE // GLM.index_kpool, 1, GLM.index_head_dim)
+    cache = make_pooled_collection(blocks, torch.tensor([5]), torch.tensor([[0]], dtype=torch.int32), kpool=4)
+    other = make_pooled_collection(blocks, torch.tensor([5]), torch.tensor([[1]], dtype=torch.int32), kpool=4)
+    offsets, lengths = torch.tensor([0, 1]), torch.tensor([4])
+    call = dict(input_row_offsets=offsets, cache_lengths=lengths, ring=None, slot_ids=None, pooled_cache=cache,
+                cache_layer=0)
+    hidden, latent = torch.zeros(1, GLM.hidden_size), torch.zeros(1, GLM.q_lora_rank)
+    with pytest.raises(ValueError, match="score_plan: expected a plan over pooled_cache, got one over another"):
+        indexer(hidden, latent, **call, score_plan=step_score_plan(other, offsets, lengths, 4))
+    with pytest.raises(ValueError, match=r"score_plan: expected kpool 4 \(the indexer's\), got 2"):
+        indexer(hidden, latent, **call, score_plan=step_score_plan(cache, offsets, lengths, 2))
 
 
 # ---------------------------------------------------------------------------

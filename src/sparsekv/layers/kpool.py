@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from ..cache.layout import PagedKVCacheCollection
-from ..ops.kpool import mla_kpool_expand_topk, mla_kpool_score
+from ..ops.kpool import KPoolScorePlan, mla_kpool_expand_topk, mla_kpool_score, plan_kpool_score
 from ..ops.kpool_step import kpool_indexer_step
 from ._common import StageTimerLike, batch_positions, frozen_linear, no_timer
 from .config import Glm5NextConfig, MlaConfig
@@ -171,7 +171,14 @@ class KPoolIndexer(nn.Module):
     def forward(self, hidden_states: torch.Tensor, q_latent: torch.Tensor, *, input_row_offsets: torch.Tensor,
                 cache_lengths: torch.Tensor, ring: torch.Tensor | None, slot_ids: torch.Tensor | None,
                 pooled_cache: PagedKVCacheCollection, cache_layer: int,
-                timer: StageTimerLike = no_timer) -> KPoolResult:
+                score_plan: KPoolScorePlan | None = None, timer: StageTimerLike = no_timer) -> KPoolResult:
+        """One layer's indexer step; ``score_plan``: the step's pool-score plan over ``pooled_cache`` for
+        these rows (:func:`step_score_plan`), shared by every indexer layer of the step, else the score
+        plans for this layer alone."""
+        if score_plan is not None and score_plan.pooled_collection is not pooled_cache:
+            raise ValueError("score_plan: expected a plan over pooled_cache, got one over another cache")
+        if score_plan is not None and score_plan.kpool != self.kpool:
+            raise ValueError(f"score_plan: expected kpool {self.kpool} (the indexer's), got {score_plan.kpool}")
         offsets = input_row_offsets.to(hidden_states.device)
         positions = batch_positions(offsets, cache_lengths.to(hidden_states.device))
         with timer("kpool.project"):
@@ -185,12 +192,24 @@ class KPoolIndexer(nn.Module):
             kpool_indexer_step(ring, slot_ids, keys, gates, self.index_kpool_compress_ape, offsets, cache_lengths,
                                pooled_cache, cache_layer, kpool=self.kpool, mode=self.mode)
         with timer("kpool.score"):
-            scores = mla_kpool_score(q, head_weights, pooled_cache, cache_layer, positions, offsets,
-                                     kpool=self.kpool)
+            if score_plan is None:
+                scores = mla_kpool_score(q, head_weights, pooled_cache, cache_layer, positions, offsets,
+                                         kpool=self.kpool)
+            else:
+                scores = score_plan.run(q, head_weights, cache_layer)
         with timer("kpool.select"):
             indices, counts = mla_kpool_expand_topk(scores, positions, kpool=self.kpool, topk=self.topk,
                                                     always_select_tail=self.always_select_tail)
         return KPoolResult(indices, counts, keys, gates, q, head_weights, scores, positions)
+
+
+def step_score_plan(pooled_cache: PagedKVCacheCollection, input_row_offsets: torch.Tensor,
+                    cache_lengths: torch.Tensor, kpool: int) -> KPoolScorePlan:
+    """The pool-score plan of one step's rows (``input_row_offsets``, ``cache_lengths`` before the step)
+    over ``pooled_cache``: made once, run by every indexer layer of the step (``score_plan``)."""
+    offsets = input_row_offsets.to(pooled_cache.device)
+    positions = batch_positions(offsets, cache_lengths.to(pooled_cache.device))
+    return plan_kpool_score(pooled_cache, positions, offsets, kpool=kpool)
 
 
 class KPoolIndexerLayer(nn.Module):
@@ -254,9 +273,11 @@ class Glm5NextIndexerSlice(nn.Module):
                 timer: StageTimerLike = no_timer) -> list[KPoolResult]:
         with timer("embed"):
             hidden = self.embed_tokens(token_ids)
+        with timer("kpool.score"):
+            plan = step_score_plan(pooled_cache, input_row_offsets, cache_lengths, self.config.index_kpool)
         return [layer(norm(hidden), input_row_offsets=input_row_offsets, cache_lengths=cache_lengths, ring=ring,
-                      slot_ids=slot_ids, pooled_cache=pooled_cache, cache_layer=i, timer=timer)
+                      slot_ids=slot_ids, pooled_cache=pooled_cache, cache_layer=i, score_plan=plan, timer=timer)
                 for i, (norm, layer, ring) in enumerate(zip(self.input_layernorms, self.layers, rings))]
 
 
-__all__ = ["Glm5NextIndexerSlice", "KPoolIndexer", "KPoolIndexerLayer", "KPoolResult", "RMSNorm"]
+__all__ = ["Glm5NextIndexerSlice", "KPoolIndexer", "KPoolIndexerLayer", "KPoolResult", "RMSNorm", "step_score_plan"]

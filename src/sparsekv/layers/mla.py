@@ -64,11 +64,12 @@ from torch import nn
 
 from ..cache.layout import PagedKVCacheCollection
 from ..ops.cache import paged_store
+from ..ops.kpool import KPoolScorePlan
 from ..ops.mla import mla_sparse_attention_paged
 from ..ops.qsa import qsa_sparse_attention_paged
 from .config import MlaConfig
 from .dsa import apply_rope, rope_cos_sin, rope_inv_freq
-from .kpool import KPoolIndexer, KPoolResult, RMSNorm
+from .kpool import KPoolIndexer, KPoolResult, RMSNorm, step_score_plan
 from ._common import StageTimerLike, batch_positions, frozen_linear, no_timer
 from .tensor_parallel import TensorParallelGroup, WeightSlice, head_slice
 
@@ -200,8 +201,9 @@ class MlaSparseAttention(nn.Module):
                 index_cache: PagedKVCacheCollection | None = None, index_layer: int | None = None,
                 ring: torch.Tensor | None = None, slot_ids: torch.Tensor | None = None,
                 selection: tuple[torch.Tensor, torch.Tensor] | None = None, mode: str = "auto",
-                timer: StageTimerLike = no_timer) -> MlaResult:
-        """Run the layer (module docstring); ``mode`` is ``"auto"``, ``"absorbed"`` or ``"expanded"``."""
+                score_plan: KPoolScorePlan | None = None, timer: StageTimerLike = no_timer) -> MlaResult:
+        """Run the layer (module docstring); ``mode`` is ``"auto"``, ``"absorbed"`` or ``"expanded"``;
+        ``score_plan``: the step's pool-score plan over ``index_cache`` (:func:`.kpool.step_score_plan`)."""
         if mode not in MODES:
             raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
         if self.indexer is None and selection is None:
@@ -231,7 +233,7 @@ class MlaSparseAttention(nn.Module):
         if self.indexer is not None:
             indexed = self.indexer(hidden_states, q_latent, input_row_offsets=offsets, cache_lengths=cache_lengths,
                                    ring=ring, slot_ids=slot_ids, pooled_cache=index_cache, cache_layer=index_layer,
-                                   timer=timer)
+                                   score_plan=score_plan, timer=timer)
             indices, counts = indexed.indices, indexed.counts
         else:
             indices, counts = selection
@@ -380,13 +382,16 @@ class MlaSlice(nn.Module):
         results: list[MlaResult] = []
         selection = None
         index_layer = 0
+        with timer("kpool.score"):
+            plan = step_score_plan(index_cache, input_row_offsets, latent_cache.cache_lengths, self.config.index_kpool)
         for cache_layer, (norm, attention) in enumerate(zip(self.input_layernorms, self.attentions)):
             own = attention.indexer is not None
             ring = rings[index_layer] if own and rings is not None else None
             result = attention(norm(hidden), input_row_offsets=input_row_offsets, latent_cache=latent_cache,
                                cache_layer=cache_layer, index_cache=index_cache if own else None,
                                index_layer=index_layer if own else None, ring=ring, slot_ids=slot_ids,
-                               selection=None if own else selection, mode=mode, timer=timer)
+                               selection=None if own else selection, mode=mode,
+                               score_plan=plan if own else None, timer=timer)
             if own:
                 selection = (result.indices, result.counts)
                 index_layer += 1
