@@ -99,6 +99,9 @@ for token_ids in (prompt[:32], prompt[32:], [7], [8], [9]):  # chunked prefill, 
     q_idx, head_weights = rows(pool_heads, index_dim), torch.rand(num_new_tokens, pool_heads)
     pool_scores = sparsekv.mla_kpool_score(q_idx, head_weights, pooled_coll, 0, query_positions,
                                            input_row_offsets, kpool=kpool)
+    # a model's step: one plan of its rows, then one run per indexer layer (the same scores, less per layer)
+    score_plan = sparsekv.plan_kpool_score(pooled_coll, query_positions, input_row_offsets, kpool=kpool)
+    assert torch.equal(score_plan.run(q_idx, head_weights, 0), pool_scores)
     pool_indices, pool_counts = sparsekv.mla_kpool_expand_topk(pool_scores, query_positions, kpool=kpool, topk=topk)
 
     # Sparse MLA (SPEC 3.4): absorbed queries [q_nope @ W_uk, q_rope] over the latent rows the k-pool selected

@@ -14,7 +14,11 @@ tile's peak (``xpeak``: the fraction of the peak reached, :mod:`.peak`;
 * score: decode rows (one query per request at its last position) over all
   its visible pools, pooled keys read through a paged cache of 64-token pages
   (16 pools per page, scattered). Bytes: pooled keys, ``q`` and head weights
-  read, scores written.
+  read, scores written. Ours is a layer's call as a model makes it, the
+  step's plan made once for every indexer layer (``plan_kpool_score``, then
+  ``KPoolScorePlan.run``); ``xop`` is the one-shot ``mla_kpool_score``
+  (plan and run in each call) against it, and the note gives the plan's own
+  time.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import torch
 
 from ..cache.pooled import make_pooled_collection
 from ..kernels.reference import kpool as reference
-from ..ops.kpool import kpool_pool_row_offsets, mla_kpool_compress, mla_kpool_score
+from ..ops.kpool import kpool_pool_row_offsets, mla_kpool_compress, mla_kpool_score, plan_kpool_score
 from .common import DTYPE_NAMES, BenchRow, copy_peer, one_thread, read_peer, threads_check, time_interleaved
 from .peak import tile_peak_peer
 
@@ -89,16 +93,24 @@ def _score_row(batch: int, tokens: int, dtype: torch.dtype, rounds: int, check_t
     ref_out = torch.empty_like(out)
     elt = blocks.element_size()
     nbytes = batch * pools * HEAD_DIM * elt + q.numel() * elt + weights.numel() * 4 + out.numel() * 4
+    plan = plan_kpool_score(cache, positions, offsets, kpool=KPOOL)
+
     def ours():
+        plan.run(q, weights, 0, out=out)
+
+    def one_shot():
         mla_kpool_score(q, weights, cache, 0, positions, offsets, kpool=KPOOL, out=out)
 
-    shape = f"B={batch} decode t={tokens - 1} H={INDEX_HEADS} D={HEAD_DIM}"
+    shape = f"B={batch} decode t={tokens - 1} H={INDEX_HEADS} D={HEAD_DIM} plan.run"
     if check_threads:
         time_ms, peers, paired = threads_check(ours)
         return BenchRow("mla_kpool_score", shape, DTYPE_NAMES[dtype], "cpu", time_ms, nbytes, peers, paired=paired)
+    planning_ms = time_interleaved({"plan": lambda: plan_kpool_score(cache, positions, offsets, kpool=KPOOL)},
+                                   rounds=rounds)["plan"]
     times = time_interleaved({
         "ours": ours,
         "1thread": one_thread(ours),
+        "op": one_shot,
         "reference": lambda: reference.mla_kpool_score(ref_out, q, weights, blocks, cache.lookup_table, positions,
                                                        offsets, KPOOL, 0),
         "copy": copy_peer(nbytes),
@@ -107,7 +119,7 @@ def _score_row(batch: int, tokens: int, dtype: torch.dtype, rounds: int, check_t
     ours = times.pop("ours")
     err = float(((out - ref_out).abs().max() / ref_out.abs().max().clamp_min(1e-30)))
     return BenchRow("mla_kpool_score", shape, DTYPE_NAMES[dtype], "cpu", ours, nbytes, times,
-                    note=f"max rel err vs reference {err:.1e}")
+                    note=f"max rel err vs reference {err:.1e}; the plan {planning_ms * 1000:.0f} us once a step")
 
 
 def run(quick: bool = False, check_threads: bool = False) -> list[BenchRow]:
