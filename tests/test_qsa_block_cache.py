@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_qsa_cases import DTYPES, assert_spec_close, build_paged_cache, make_collection
 
-from sparsekv import (PagedKVCacheCollection, make_pooled_collection, qsa_block_score, qsa_block_score_paged,
-                      qsa_compress_keys_paged, rope_freqs_cis)
+from sparsekv import (PagedKVCacheCollection, make_pooled_collection, plan_qsa_block_score_paged, qsa_block_score,
+                      qsa_block_score_paged, qsa_compress_keys_paged, rope_freqs_cis)
 from sparsekv.kernels.cpu import qsa as cpu_qsa
 from sparsekv.kernels.reference import qsa as ref_qsa
 from sparsekv.ops.qsa import qsa_load_block_keys_paged, qsa_store_block_keys_paged
@@ -155,6 +155,29 @@ def test_paged_score_errors():
         qsa_block_score_paged(q, _with(block_cache, lookup_table=table), 0, positions, offsets, ratio=2,
                               score_scale=1.0, out=out)
     assert not out.any()
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_paged_score_plan_runs_as_the_one_shot_op_and_checks_pages_at_each_run(backend, monkeypatch):
+    """Runs of one plan equal the public op bit for bit, with the plan's own positions after the caller
+    changes theirs; a page taken away after planning raises at the run and writes nothing."""
+    monkeypatch.setenv("SPARSEKV_BACKEND", backend)
+    _, block_cache, _, _ = _error_case()
+    positions, offsets = torch.tensor([9, 3, 4]), torch.tensor([0, 1, 3])
+    plan = plan_qsa_block_score_paged(block_cache, positions, offsets, ratio=2, score_scale=1.5, out_cols=5)
+    queries = [torch.randn(3, 2, 8, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+    want = [qsa_block_score_paged(q, block_cache, 0, positions, offsets, ratio=2, score_scale=1.5, out_cols=5)
+            for q in queries]
+    positions.zero_()
+    for q, expected in zip(queries, want):
+        assert torch.equal(plan.run(q, 0).view(torch.int32), expected.view(torch.int32))
+    block_cache.lookup_table[1, 0] = -1
+    out = torch.zeros(3, 5)
+    with pytest.raises(ValueError, match=r"paged cache: sequence 1, position 0"):
+        plan.run(queries[0], 0, out=out)
+    assert not out.any()
+    with pytest.raises(ValueError, match=r"q: expected 3 rows \(one per planned query position\), got 2"):
+        plan.run(queries[0][:2], 0)
 
 
 def _error_case():

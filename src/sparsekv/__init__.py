@@ -24,8 +24,9 @@ from .ops.kpool import (
 )
 from .ops.kpool_step import kpool_indexer_step, store_pooled_keys
 from .ops.mla import mla_sparse_attention_paged
-from .ops.qsa import (qsa_block_score, qsa_block_score_paged, qsa_compress_keys_paged, qsa_load_block_keys_paged,
-                      qsa_select_tokens, qsa_sparse_attention_paged, qsa_store_block_keys_paged)
+from .ops.qsa import (QSABlockScorePlan, plan_qsa_block_score_paged, qsa_block_score, qsa_block_score_paged,
+                      qsa_compress_keys_paged, qsa_load_block_keys_paged, qsa_select_tokens,
+                      qsa_sparse_attention_paged, qsa_store_block_keys_paged)
 from .ops.select import SelectedTokens, select_blocks_expand
 
 __version__ = "0.1.0"
@@ -36,6 +37,7 @@ __all__ = [
     "PagedKVCache",
     "PagedKVCacheCollection",
     "PagedKVCacheManager",
+    "QSABlockScorePlan",
     "BatchInputs",
     "CacheGroupSpec",
     "InsufficientPagesError",
@@ -52,6 +54,7 @@ __all__ = [
     "mla_sparse_attention_paged",
     "paged_store",
     "plan_kpool_score",
+    "plan_qsa_block_score_paged",
     "qsa_block_score",
     "qsa_block_score_paged",
     "qsa_compress_keys_paged",

@@ -44,7 +44,8 @@ from .._checks import (KEY_DTYPES, as_index_tensor, check_bool, check_instance, 
 from .._env import host_checks
 from ..cache.layout import PagedKVCacheCollection
 from ..kernels.reference.kpool import MODES, check_score_pages, pool_counts
-from ._registry import dispatch_needed, kernel, optional_kernel, out_op
+from ._registry import kernel, out_op
+from ._score_plan import PagedScorePlanBase
 
 FAMILY = "kpool"
 
@@ -326,21 +327,17 @@ def mla_kpool_seed_tail(ring: torch.Tensor, slot_ids: torch.Tensor, k: torch.Ten
     _seed_tail_op(ring, slot_ids, k, gate, offsets, cache_lengths, kpool)
 
 
-class KPoolScorePlan:
+class KPoolScorePlan(PagedScorePlanBase):
     """The pool scores of one batch of query rows, set up once for every indexer layer that scores them.
 
-    A decode step scores the same rows against the same pooled cache in every
-    layer (same positions and row offsets, another layer's queries and keys).
-    :func:`plan_kpool_score` validates what the layers share once;
-    :meth:`run` then scores one layer, checking only that layer's arguments:
-    on the CPU a public call spends tens of microseconds on checks and views
-    around a kernel of a few hundred (FlashInfer's wrappers split plan and
-    run for the same reason).
-
-    The plan keeps its own copies of the positions and offsets. It reads the
-    pooled cache's pages when it runs, as the lookup table holds them then,
-    and checks every page a row's pools need at each run (a missing one
-    raises ``ValueError``, nothing written).
+    :func:`plan_kpool_score` validates what the layers share (positions, row
+    offsets, the pooled cache) once; :meth:`run` then scores one layer,
+    checking only that layer's arguments: on the CPU a public call spends
+    tens of microseconds on checks and views around a kernel of a few hundred
+    (FlashInfer's wrappers split plan and run for the same reason). The plan
+    keeps its own copies of the positions and offsets, and each run checks
+    every page its rows need as the lookup table holds them then (a missing
+    one raises ``ValueError``, nothing written; :mod:`._score_plan`).
 
     Example, a step of three indexer layers::
 
@@ -349,22 +346,18 @@ class KPoolScorePlan:
             scores = plan.run(q[layer], head_weights[layer], layer)
     """
 
-    __slots__ = ("pooled_collection", "blocks", "lookup_table", "query_positions", "input_row_offsets", "kpool",
-                 "out_cols", "_backend_plan")
+    __slots__ = ("kpool",)
 
     def __init__(self, pooled_collection: PagedKVCacheCollection, query_positions: torch.Tensor,
                  input_row_offsets: torch.Tensor, kpool: int, out_cols: int) -> None:
         """Use :func:`plan_kpool_score`, which validates the arguments."""
-        pc = pooled_collection
-        self.pooled_collection, self.blocks, self.lookup_table = pc, pc.blocks, pc.lookup_table
-        self.query_positions, self.input_row_offsets = query_positions, input_row_offsets
-        self.kpool, self.out_cols = kpool, out_cols
-        backend_plan = optional_kernel(FAMILY, "ScorePlan", pc.device)
-        if backend_plan is None or dispatch_needed((pc.blocks, pc.lookup_table, query_positions, input_row_offsets)):
-            self._backend_plan = None  # each run goes through the custom op (also while torch traces)
-        else:
-            self._backend_plan = backend_plan(pc.blocks, pc.lookup_table, query_positions, input_row_offsets, kpool,
-                                              out_cols)
+        self.kpool = kpool
+        super().__init__(pooled_collection, query_positions, input_row_offsets, out_cols, FAMILY, "ScorePlan",
+                         (kpool, out_cols))
+
+    @property
+    def pooled_collection(self) -> PagedKVCacheCollection:
+        return self.collection
 
     def run(self, q: torch.Tensor, head_weights: torch.Tensor, layer_idx: int, *,
             out: torch.Tensor | None = None) -> torch.Tensor:
@@ -378,15 +371,10 @@ class KPoolScorePlan:
 
         Returns ``scores [total_q, out_cols]`` float32, as :func:`mla_kpool_score`.
         """
-        pc = self.pooled_collection
-        if pc.blocks is not self.blocks or pc.lookup_table is not self.lookup_table:
-            raise ValueError("pooled_collection: its blocks or lookup table were replaced after the plan was made; "
-                             "make a new plan")
-        pc._check_layer(layer_idx)
-        device, total_q = self.blocks.device, self.query_positions.shape[0]
+        self.check_layer(layer_idx, "pooled_collection")
+        pc, device, total_q = self.collection, self.blocks.device, self.total_q
         check_tensor("q", q, ndim=3, dtypes=KEY_DTYPES, device=device)
-        if q.shape[0] != total_q:
-            raise ValueError(f"q: expected {total_q} rows (one per planned query position), got {q.shape[0]}")
+        self.check_rows(q)
         if q.shape[2] != pc.head_size:
             raise ValueError(f"q: expected head dim {pc.head_size} (the pooled cache's), got {q.shape[2]}")
         if q.dtype != pc.dtype:
@@ -396,18 +384,13 @@ class KPoolScorePlan:
             out = torch.empty(total_q, self.out_cols, dtype=torch.float32, device=device)
         else:
             check_tensor("out", out, shape=(total_q, self.out_cols), dtypes=(torch.float32,), device=device)
-        target = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
         if head_weights.dtype != torch.float32:  # ``.to`` costs ~0.8 us even when it has nothing to do
             head_weights = head_weights.to(torch.float32)
         q, head_weights = q.contiguous(), head_weights.contiguous()
-        if self._backend_plan is not None and not dispatch_needed((target, q, head_weights)):
-            self._backend_plan.run(target, q, head_weights, layer_idx)
-        else:
-            _score_op(target, q, head_weights, self.blocks, self.lookup_table, self.query_positions,
-                      self.input_row_offsets, self.kpool, layer_idx)
-        if target is not out:
-            out.copy_(target)
-        return out
+        return self.run_into(
+            out, (q, head_weights), lambda target: self.backend_plan.run(target, q, head_weights, layer_idx),
+            lambda target: _score_op(target, q, head_weights, self.blocks, self.lookup_table, self.query_positions,
+                                     self.input_row_offsets, self.kpool, layer_idx))
 
 
 def plan_kpool_score(pooled_collection: PagedKVCacheCollection, query_positions: torch.Tensor,

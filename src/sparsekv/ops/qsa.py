@@ -35,6 +35,7 @@ from .._env import host_checks
 from ..cache.layout import PagedKVCacheCollection, check_needed_pages
 from ._attention_checks import check_counted_positions, check_row_offsets
 from ._registry import kernel, out_op
+from ._score_plan import PagedScorePlanBase
 from .select import SelectedTokens, select_blocks_expand
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -410,10 +411,10 @@ def qsa_load_block_keys_paged(
     return out
 
 
-def _scores_out(out: torch.Tensor | None, out_cols: int | None, total_q: int, device: torch.device, *,
-                max_blocks: int | None = None) -> torch.Tensor:
-    """A block score's output: ``out`` checked (``[total_q, out_cols]`` contiguous float32 on ``device``), or a
-    new one; ``out_cols`` defaults to ``max_blocks`` (required without one) and may not be below it."""
+def _scores_width(out: torch.Tensor | None, out_cols: int | None, device: torch.device, *,
+                  max_blocks: int | None = None) -> int:
+    """A block score's output width: ``out``'s columns when given (``out_cols``, if also given, must agree),
+    else ``out_cols``, which defaults to ``max_blocks`` (required without one) and may not be below it."""
     if out is not None:
         check_tensor("out (scores)", out, ndim=2, dtypes=(torch.float32,), device=device)
         if out_cols is not None and out.shape[1] != out_cols:
@@ -426,12 +427,24 @@ def _scores_out(out: torch.Tensor | None, out_cols: int | None, total_q: int, de
     check_int("out_cols", out_cols, minimum=0)
     if max_blocks is not None and out_cols < max_blocks:
         raise ValueError(f"out_cols: expected >= max_blocks = {max_blocks}, got {out_cols}")
+    return out_cols
+
+
+def _scores_tensor(out: torch.Tensor | None, out_cols: int, total_q: int, device: torch.device) -> torch.Tensor:
+    """A block score's output: ``out`` checked (``[total_q, out_cols]`` contiguous float32 on ``device``), or a
+    new one."""
     if out is None:
         return torch.empty(total_q, out_cols, dtype=torch.float32, device=device)
-    check_tensor("out (scores)", out, shape=(total_q, out_cols))
+    check_tensor("out (scores)", out, shape=(total_q, out_cols), dtypes=(torch.float32,), device=device)
     if not out.is_contiguous():
         raise ValueError("out (scores): expected a contiguous tensor")
     return out
+
+
+def _scores_out(out: torch.Tensor | None, out_cols: int | None, total_q: int, device: torch.device, *,
+                max_blocks: int | None = None) -> torch.Tensor:
+    """:func:`_scores_width` then :func:`_scores_tensor`."""
+    return _scores_tensor(out, _scores_width(out, out_cols, device, max_blocks=max_blocks), total_q, device)
 
 
 def qsa_block_score(
@@ -491,6 +504,80 @@ def qsa_block_score(
     return out
 
 
+class QSABlockScorePlan(PagedScorePlanBase):
+    """:func:`qsa_block_score_paged`'s query rows over one block-key cache, set up once for every layer
+    (:func:`plan_qsa_block_score_paged`; the plan and run split of :class:`sparsekv.ops.kpool.KPoolScorePlan`,
+    :mod:`._score_plan`).
+
+    Example, the layers of one step::
+
+        plan = plan_qsa_block_score_paged(block_cache, positions, offsets, ratio=4, score_scale=16.0,
+                                          out_cols=max_blocks)
+        scores = [plan.run(index_q[layer], layer) for layer in range(layers)]
+    """
+
+    __slots__ = ("ratio", "score_scale")
+
+    def __init__(self, block_cache: PagedKVCacheCollection, query_positions: torch.Tensor,
+                 input_row_offsets: torch.Tensor, ratio: int, score_scale: float, out_cols: int) -> None:
+        """Use :func:`plan_qsa_block_score_paged`, which validates the arguments."""
+        self.ratio, self.score_scale = ratio, score_scale
+        super().__init__(block_cache, query_positions, input_row_offsets, out_cols, "qsa", "BlockScorePlan",
+                         (ratio, score_scale, out_cols))
+
+    def run(self, q: torch.Tensor, layer_idx: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The block scores of layer ``layer_idx`` for every planned query row.
+
+        Args:
+            q: ``[total_q, n_heads, D]``, the cache's dtype, normed and rotated (``total_q`` planned rows).
+            layer_idx: the block-key cache's layer.
+            out: optional ``[total_q, out_cols]`` contiguous float32.
+
+        Returns ``scores [total_q, out_cols]`` float32, as :func:`qsa_block_score_paged`.
+        """
+        self.check_layer(layer_idx, "block_cache")
+        bc, device = self.collection, self.blocks.device
+        check_tensor("q", q, ndim=3, dtypes=KEY_DTYPES, device=device)
+        if q.dtype != bc.dtype:
+            raise TypeError(f"q: expected dtype {bc.dtype} (same as block_cache), got {q.dtype}")
+        if bc.head_size != q.shape[2]:
+            raise ValueError(f"block_cache: head width {bc.head_size} differs from q's head dim {q.shape[2]}")
+        self.check_rows(q)
+        out = _scores_tensor(out, self.out_cols, self.total_q, device)
+        q = q.contiguous()
+        return self.run_into(
+            out, (q,), lambda target: self.backend_plan.run(target, q, layer_idx),
+            lambda target: _block_score_paged_op(target, q, self.blocks, self.lookup_table, self.query_positions,
+                                                 self.input_row_offsets, layer_idx, self.ratio, self.score_scale))
+
+
+def plan_qsa_block_score_paged(block_cache: PagedKVCacheCollection, query_positions: torch.Tensor,
+                               input_row_offsets: torch.Tensor, *, ratio: int, score_scale: float,
+                               out_cols: int) -> QSABlockScorePlan:
+    """Validate what every layer's paged block score shares and set it up once (:class:`QSABlockScorePlan`).
+
+    Args:
+        block_cache: the cache :func:`qsa_store_block_keys_paged` fills (one key head).
+        query_positions: ``[total_q]`` int, ``t >= 0`` of each row in its sequence.
+        input_row_offsets: ``[B+1]`` int, ``B`` the cache's batch size, ``input_row_offsets[-1] == total_q``.
+        ratio, score_scale: as for :func:`qsa_block_score`.
+        out_cols: columns of the output.
+
+    Raises ``ValueError`` for a missing page (CPU; naming the sequence and block), as every run does.
+    """
+    bc = check_instance("block_cache", block_cache, PagedKVCacheCollection)
+    check_int("ratio", ratio, minimum=1)
+    score_scale = check_float("score_scale", score_scale, positive=True)
+    if bc.num_heads != 1:
+        raise ValueError(f"block_cache: expected one key head, got {bc.num_heads} heads")
+    positions = check_nonnegative("query_positions", query_positions, device=bc.device)
+    offsets = check_row_offsets(input_row_offsets, bc.batch_size, positions.shape[0], bc.device)
+    check_int("out_cols", out_cols, minimum=0)
+    # the plan's own copies: the caller may change its tensors between runs
+    return QSABlockScorePlan(bc, positions.clone(memory_format=torch.contiguous_format),
+                             offsets.clone(memory_format=torch.contiguous_format), ratio, score_scale, out_cols)
+
+
 def qsa_block_score_paged(
     q: torch.Tensor,
     block_cache: PagedKVCacheCollection,
@@ -509,7 +596,9 @@ def qsa_block_score_paged(
     :func:`qsa_load_block_keys_paged`'s output with ``max_blocks = out_cols``,
     without that copy of every block key: row ``r`` of sequence ``b`` sees
     blocks ``g < min((t+1) // ratio, out_cols)``, block ``g`` in row ``g % P``
-    of logical page ``g // P`` (``P`` the cache's rows per page).
+    of logical page ``g // P`` (``P`` the cache's rows per page). Several
+    layers scoring the same rows: :func:`plan_qsa_block_score_paged` once,
+    then :meth:`QSABlockScorePlan.run` per layer (this call is both).
 
     Args:
         q: ``[total_q, n_heads, D]``, the cache's dtype, normed and rotated.
@@ -525,24 +614,9 @@ def qsa_block_score_paged(
     a missing page (naming the sequence and block).
     """
     bc = check_instance("block_cache", block_cache, PagedKVCacheCollection)
-    bc._check_layer(layer_idx)
-    check_int("ratio", ratio, minimum=1)
-    score_scale = check_float("score_scale", score_scale, positive=True)
-    check_tensor("q", q, ndim=3, dtypes=KEY_DTYPES, device=bc.device)
-    if q.dtype != bc.dtype:
-        raise TypeError(f"q: expected dtype {bc.dtype} (same as block_cache), got {q.dtype}")
-    if bc.num_heads != 1:
-        raise ValueError(f"block_cache: expected one key head, got {bc.num_heads} heads")
-    total_q, _, head_dim = q.shape
-    if bc.head_size != head_dim:
-        raise ValueError(f"block_cache: head width {bc.head_size} differs from q's head dim {head_dim}")
-    offsets = check_row_offsets(input_row_offsets, bc.batch_size, total_q, bc.device)
-    positions = check_nonnegative("query_positions", query_positions, device=bc.device)
-    if positions.shape[0] != total_q:
-        raise ValueError(f"query_positions: expected shape ({total_q},) = q rows, got {tuple(positions.shape)}")
-    out = _scores_out(out, out_cols, total_q, bc.device)
-    _block_score_paged_op(out, q, bc.blocks, bc.lookup_table, positions, offsets, layer_idx, ratio, score_scale)
-    return out
+    plan = plan_qsa_block_score_paged(bc, query_positions, input_row_offsets, ratio=ratio, score_scale=score_scale,
+                                      out_cols=_scores_width(out, out_cols, bc.device))
+    return plan.run(q, layer_idx, out=out)
 
 
 def qsa_select_tokens(

@@ -176,10 +176,47 @@ def run_paged_scores(scores: torch.Tensor, q: torch.Tensor, head_weights: np.nda
         scores.copy_(target)
 
 
-def paged_scores(scores: torch.Tensor, q: torch.Tensor, head_weights: np.ndarray | None, blocks: torch.Tensor,
-                 lookup_table: torch.Tensor, visible: np.ndarray, total_visible: int, offsets: np.ndarray,
-                 layer: int, divisor: float) -> None:
-    """:func:`run_paged_scores` over plane 0 of ``layer`` of ``blocks [num_pages, KV, layers, per_page, 1,
-    D]`` (:func:`paged_keys`) and ``lookup_table``."""
-    run_paged_scores(scores, q, head_weights, paged_keys(blocks), lookup_table.numpy(), visible, total_visible,
-                     offsets, layer, divisor)
+class PagedScorePlan:
+    """A paged score's query rows over one key cache, set up once and run for any of its layers: the rows'
+    positions and offsets as numpy views (the caller keeps those tensors unchanged: the ops' plans pass
+    their own copies), the keys as the kernel reads them (:func:`paged_keys`), ``ratio`` (tokens per key),
+    ``out_cols`` and ``divisor``.
+
+    :meth:`run` reads the lookup table's values as they are then and checks again that every key a row
+    sees has a page (the table may change between runs: a plan never reads a page it has not checked).
+    A family names a missing page its own way (:meth:`page_error`); the k-pool score and the QSA block
+    score each subclass it.
+    """
+
+    __slots__ = ("lookup_table", "table", "positions", "offsets", "ratio", "out_cols", "divisor", "keys")
+
+    def __init__(self, blocks: torch.Tensor, lookup_table: torch.Tensor, query_positions: torch.Tensor,
+                 input_row_offsets: torch.Tensor, ratio: int, out_cols: int, divisor: float) -> None:
+        self.lookup_table, self.table = lookup_table, lookup_table.numpy()
+        self.positions, self.offsets = query_positions.numpy(), input_row_offsets.numpy()
+        self.ratio, self.out_cols, self.divisor = ratio, out_cols, divisor
+        self.keys = paged_keys(blocks)
+        self.visible()
+
+    def page_error(self, seq: int, key: int) -> ValueError:
+        """The error for key ``key`` of sequence ``seq``, which a row sees, without a valid page."""
+        raise NotImplementedError
+
+    def visible(self) -> tuple[np.ndarray, int]:
+        """``(visible, total)`` of :func:`visible_keys` against the table as it is now; raises
+        :meth:`page_error` for a visible key without a page."""
+        keys = self.keys
+        visible, total, (seq, key) = visible_keys(self.positions, self.offsets, self.ratio, self.out_cols,
+                                                  self.table, keys.num_pages, keys.per_page)
+        if seq >= 0:
+            raise self.page_error(seq, key)
+        return visible, total
+
+    def run_scores(self, scores: torch.Tensor, q: torch.Tensor, head_weights: np.ndarray | None, layer: int) -> None:
+        """The scores of ``layer`` into ``scores [total_q, out_cols]`` (pages checked first, nothing written
+        when one is missing)."""
+        if scores.shape[0] == 0:
+            return
+        visible, total = self.visible()
+        run_paged_scores(scores, q, head_weights, self.keys, self.table, visible, total, self.offsets, layer,
+                         self.divisor)

@@ -45,7 +45,7 @@ from numba.extending import overload
 from ..reference.kpool import score_page_error
 from ._bits import as_numba, copy_row, narrow, widen
 from ._math import exp_f32
-from ._paged_score import paged_keys, run_paged_scores, visible_keys
+from ._paged_score import PagedScorePlan
 from ._parallel import numba_threads
 
 _MODE_SOFTMAX, _MODE_MEAN = 0, 1
@@ -285,47 +285,25 @@ def mla_kpool_ring_close(closed, closed_ids, ring, slot_ids, k, gate, ape, input
     closed_ids[seqs] = torch.from_numpy(cached[closing] // kpool).to(closed_ids.dtype)
 
 
-class ScorePlan:
-    """Pool scores over one pooled cache for one batch of query rows, set up once for every layer
-    (:class:`sparsekv.ops.kpool.KPoolScorePlan`, which passes its own copies of the positions and
-    offsets): their numpy views, and the cache as the score kernel reads it
-    (:func:`._paged_score.paged_keys`).
+class ScorePlan(PagedScorePlan):
+    """:func:`mla_kpool_score`'s rows set up once for every layer (:class:`._paged_score.PagedScorePlan`,
+    one key per pool; :class:`sparsekv.ops.kpool.KPoolScorePlan` uses it)."""
 
-    :meth:`run` reads the lookup table's values as they are then, and checks again that every pool a
-    row sees has a page: the table may change between runs (a plan never reads a page it has not
-    checked).
-    """
-
-    __slots__ = ("lookup_table", "table", "positions", "offsets", "kpool", "out_cols", "keys")
+    __slots__ = ()
 
     def __init__(self, pooled_blocks: torch.Tensor, lookup_table: torch.Tensor, query_positions: torch.Tensor,
                  input_row_offsets: torch.Tensor, kpool: int, out_cols: int) -> None:
-        self.lookup_table, self.table = lookup_table, lookup_table.numpy()
-        self.positions, self.offsets = query_positions.numpy(), input_row_offsets.numpy()
-        self.kpool, self.out_cols = kpool, out_cols
-        self.keys = paged_keys(pooled_blocks)
-        self._visible()
+        super().__init__(pooled_blocks, lookup_table, query_positions, input_row_offsets, kpool, out_cols, 1.0)
 
-    def _visible(self) -> tuple[np.ndarray, int]:
-        """``(visible, total)`` of :func:`._paged_score.visible_keys`; raises for a visible pool without a page."""
-        keys = self.keys
-        visible, total, (seq, pool) = visible_keys(self.positions, self.offsets, self.kpool, self.out_cols,
-                                                   self.table, keys.num_pages, keys.per_page)
-        if seq >= 0:
-            raise score_page_error(self.lookup_table, keys.num_pages, keys.per_page,
-                                   torch.from_numpy(self.positions), torch.from_numpy(self.offsets), self.kpool,
-                                   seq, pool)
-        return visible, total
+    def page_error(self, seq: int, key: int) -> ValueError:
+        return score_page_error(self.lookup_table, self.keys.num_pages, self.keys.per_page,
+                                torch.from_numpy(self.positions), torch.from_numpy(self.offsets), self.ratio, seq, key)
 
     def run(self, scores: torch.Tensor, q: torch.Tensor, head_weights: torch.Tensor, layer: int) -> None:
         """:func:`mla_kpool_score` of ``layer`` into ``scores [total_q, out_cols]``."""
-        if scores.shape[0] == 0:
-            return
-        visible, total = self._visible()
         if head_weights.dtype != torch.float32:  # a torch op even where there is nothing to convert
             head_weights = head_weights.float()
-        run_paged_scores(scores, q, head_weights.contiguous().numpy(), self.keys, self.table, visible, total,
-                         self.offsets, layer, 1.0)
+        self.run_scores(scores, q, head_weights.contiguous().numpy(), layer)
 
 
 def mla_kpool_score(scores, q, head_weights, pooled_blocks, lookup_table, query_positions, input_row_offsets,

@@ -80,7 +80,7 @@ from ._tile_ir import KEYS_PER_TILE, SQUARE_SUM_ROWS
 from ._tile_ops import KEYS_PER_TASK, dots_of_rows, new_scratch, square_sums_in_order
 from ._pages import first_missing_page
 from ._paged_rows import flat_plane
-from ._paged_score import paged_scores, visible_keys
+from ._paged_score import PagedScorePlan
 from ._parallel import PARALLEL_JIT, threads_for, worker_tasks
 from ._sparse_attend import sparse_attention
 
@@ -398,19 +398,32 @@ def qsa_block_score(scores, q, block_keys, query_positions, input_row_offsets, r
         scores.copy_(out)
 
 
+class BlockScorePlan(PagedScorePlan):
+    """:func:`qsa_block_score_paged`'s rows set up once for every layer (:class:`._paged_score.PagedScorePlan`,
+    one key per block of ``ratio`` tokens; :class:`sparsekv.ops.qsa.QSABlockScorePlan` uses it)."""
+
+    __slots__ = ()
+
+    def __init__(self, block_blocks: torch.Tensor, lookup_table: torch.Tensor, query_positions: torch.Tensor,
+                 input_row_offsets: torch.Tensor, ratio: int, score_scale: float, out_cols: int) -> None:
+        super().__init__(block_blocks, lookup_table, query_positions, input_row_offsets, ratio, out_cols,
+                         float(score_scale))
+
+    def page_error(self, seq: int, key: int) -> ValueError:
+        return page_error(self.lookup_table, self.keys.num_pages, self.keys.per_page, seq, key)
+
+    def run(self, scores: torch.Tensor, q: torch.Tensor, layer: int) -> None:
+        """:func:`qsa_block_score_paged` of ``layer`` into ``scores [total_q, out_cols]``."""
+        self.run_scores(scores, q, None, layer)
+
+
 def qsa_block_score_paged(scores, q, block_blocks, lookup_table, query_positions, input_row_offsets, layer, ratio,
                           score_scale):
     """Same contract as :func:`sparsekv.kernels.reference.qsa.qsa_block_score_paged`: the paged score kernel of
-    :mod:`._paged_score` without head weights, over the block-key cache's pages (pages validated first)."""
-    if scores.shape[0] == 0:
-        return
-    offsets = input_row_offsets.numpy()
-    visible, total_visible, (b, j) = visible_keys(query_positions.numpy(), offsets, ratio, scores.shape[1],
-                                                  lookup_table.numpy(), block_blocks.shape[0], block_blocks.shape[3])
-    if b >= 0:
-        raise page_error(lookup_table, block_blocks.shape[0], block_blocks.shape[3], b, j)
-    paged_scores(scores, q, None, block_blocks, lookup_table, visible, total_visible, offsets, layer,
-                 float(score_scale))
+    :mod:`._paged_score` without head weights, over the block-key cache's pages (pages validated first;
+    :class:`BlockScorePlan`)."""
+    BlockScorePlan(block_blocks, lookup_table, query_positions, input_row_offsets, ratio, score_scale,
+                   scores.shape[1]).run(scores, q, layer)
 
 
 # ---- sparse attention -------------------------------------------------------------
