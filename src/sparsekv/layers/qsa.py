@@ -52,8 +52,9 @@ from ..cache.groups import CacheGroupSpec
 from ..cache.layout import PagedKVCacheCollection
 from ..numerics import apply_rope_neox, rms_norm_zero_centred, rope_freqs_cis
 from ..ops.cache import paged_store
-from ..ops.qsa import (qsa_block_score, qsa_block_score_paged, qsa_compress_keys_paged, qsa_select_tokens,
-                       qsa_sparse_attention_paged, qsa_store_block_keys_paged)
+from ..ops.qsa import (QSABlockScorePlan, plan_qsa_block_score_paged, qsa_block_score, qsa_block_score_paged,
+                       qsa_compress_keys_paged, qsa_select_tokens, qsa_sparse_attention_paged,
+                       qsa_store_block_keys_paged)
 from ._common import StageTimerLike, batch_positions, frozen_linear, no_timer
 from .config import Qwen4ExpConfig
 from .tensor_parallel import TensorParallelGroup, WeightSlice, head_slice
@@ -152,10 +153,27 @@ class QSAIndexer(nn.Module):
         q = apply_rope_neox(self.q_layernorm(q), freqs[:, None, :], self.rotary_dim)
         return q, raw_keys
 
+    def scores_all_tokens(self, index_cache: PagedKVCacheCollection) -> bool:
+        """Whether no row of this call can see more than ``budget + R - 1`` tokens (from the collection's
+        ``max_cache_length + max_seq_length``, no device read): SPEC 2.4 then selects every causal token."""
+        return index_cache.max_cache_length + index_cache.max_seq_length <= self.budget + self.ratio - 1
+
+    def step_score_plan(self, index_cache: PagedKVCacheCollection, block_cache: PagedKVCacheCollection,
+                        positions: torch.Tensor, input_row_offsets: torch.Tensor) -> QSABlockScorePlan | None:
+        """The block-score plan of one step's rows over ``block_cache``, for every QSA layer of the step
+        (:meth:`select`'s ``score_plan``); ``None`` when the step scores nothing (:meth:`scores_all_tokens`)."""
+        if self.scores_all_tokens(index_cache):
+            return None
+        return plan_qsa_block_score_paged(block_cache, positions, input_row_offsets, ratio=self.ratio,
+                                          score_scale=math.sqrt(self.head_dim), out_cols=self._max_blocks(index_cache))
+
+    def _max_blocks(self, index_cache: PagedKVCacheCollection) -> int:
+        return (index_cache.max_cache_length + index_cache.max_seq_length) // self.ratio
+
     def select(self, index_q: torch.Tensor, index_cache: PagedKVCacheCollection, cache_layer: int,
                positions: torch.Tensor, input_row_offsets: torch.Tensor, freqs_cis: torch.Tensor,
-               timer: StageTimerLike = no_timer,
-               block_cache: PagedKVCacheCollection | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               timer: StageTimerLike = no_timer, block_cache: PagedKVCacheCollection | None = None,
+               score_plan: QSABlockScorePlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Compress -> score -> select (SPEC 2.2-2.4); this call's raw keys must be stored already.
 
         Returns ``(indices [T, budget + R - 1] int32, counts [T] int32)``.
@@ -166,14 +184,19 @@ class QSAIndexer(nn.Module):
         written directly, the same indices in the same order, without
         compressing or scoring. With a ``block_cache`` that :meth:`store_blocks`
         has brought up to this call, the blocks are scored where they lie in it
-        instead of pooled again (the same bits).
+        instead of pooled again (the same bits), through ``score_plan`` when given
+        (:meth:`step_score_plan` of this step's rows over ``block_cache``).
         """
-        width = self.budget + self.ratio - 1
-        if index_cache.max_cache_length + index_cache.max_seq_length <= width:
+        if self.scores_all_tokens(index_cache):
             with timer("qsa.select"):
-                return every_causal_token(positions, width)
-        max_blocks = (index_cache.max_cache_length + index_cache.max_seq_length) // self.ratio
-        if block_cache is None:
+                return every_causal_token(positions, self.budget + self.ratio - 1)
+        max_blocks = self._max_blocks(index_cache)
+        if score_plan is not None:
+            if block_cache is None or score_plan.collection is not block_cache:
+                raise ValueError("score_plan: expected a plan over block_cache, got one over another cache")
+            with timer("qsa.score"):
+                scores = score_plan.run(index_q, cache_layer)
+        elif block_cache is None:
             with timer("qsa.compress"):
                 block_keys = qsa_compress_keys_paged(
                     self.k_layernorm.weight, freqs_cis, key_counts_after_call(index_cache, input_row_offsets),
@@ -296,7 +319,8 @@ class QSAAttention(nn.Module):
     def forward(self, hidden_states: torch.Tensor, *, input_row_offsets: torch.Tensor,
                 kv_cache: PagedKVCacheCollection, index_cache: PagedKVCacheCollection, cache_layer: int,
                 mode: str = "sparse", timer: StageTimerLike = no_timer,
-                block_cache: PagedKVCacheCollection | None = None) -> QSAResult:
+                block_cache: PagedKVCacheCollection | None = None,
+                score_plan: QSABlockScorePlan | None = None) -> QSAResult:
         """Run the layer on a ragged batch; ``mode`` is ``"sparse"`` (QSA) or ``"dense"`` (all causal tokens).
 
         Both modes store this call's keys/values and raw indexer keys, so they
@@ -306,7 +330,9 @@ class QSAAttention(nn.Module):
         ``tokens_per_entry = R``): each call pools only the blocks it completes
         and keeps them there, and the indexer scores the blocks there instead
         of pooling every block again (same bits). Pass it on every call of the
-        sequences it serves, or on none. Returns a :class:`QSAResult`.
+        sequences it serves, or on none. ``score_plan``: the step's block-score plan over ``block_cache``
+        (:meth:`QSAIndexer.step_score_plan`), shared by every QSA layer of the step. Returns a
+        :class:`QSAResult`.
         """
         if mode not in ("sparse", "dense"):
             raise ValueError(f"mode: expected 'sparse' or 'dense', got {mode!r}")
@@ -332,7 +358,7 @@ class QSAAttention(nn.Module):
                 self.indexer.store_blocks(index_cache, block_cache, cache_layer, input_row_offsets, freqs_cis)
         if mode == "sparse":
             indices, counts = self.indexer.select(index_q, index_cache, cache_layer, positions,
-                                                  input_row_offsets, freqs_cis, timer, block_cache)
+                                                  input_row_offsets, freqs_cis, timer, block_cache, score_plan)
             with timer("qsa.attention"):
                 attended = qsa_sparse_attention_paged(query, kv_cache, cache_layer, indices, counts,
                                                       input_row_offsets, scale=self.scale, gate=gate)
@@ -452,11 +478,17 @@ class Qwen4ExpSlice(nn.Module):
         ``block_cache``: the indexers' block-key cache (see :meth:`QSAAttention.forward`), or ``None``."""
         with timer("embed"):
             hidden = self.embed_tokens(token_ids)
+        plan = None
+        if block_cache is not None and mode == "sparse" and self.attentions:
+            with timer("qsa.score"):
+                offsets = input_row_offsets.to(kv_cache.device)
+                plan = self.attentions[0].indexer.step_score_plan(
+                    index_cache, block_cache, batch_positions(offsets, kv_cache.cache_lengths), offsets)
         results = []
         for cache_layer, (norm, attention) in enumerate(zip(self.input_layernorms, self.attentions)):
             result = attention(norm(hidden), input_row_offsets=input_row_offsets, kv_cache=kv_cache,
                                index_cache=index_cache, cache_layer=cache_layer, mode=mode, timer=timer,
-                               block_cache=block_cache)
+                               block_cache=block_cache, score_plan=plan)
             hidden = hidden + result.output
             results.append(result)
         return hidden, results
