@@ -46,8 +46,9 @@ import torch.nn.functional as F
 from ..cache.layout import PagedKVCacheCollection
 from ..cache.pooled import make_pooled_collection
 from ..numerics import rope_freqs_cis
-from ..ops.qsa import (qsa_block_score, qsa_block_score_paged, qsa_compress_keys_paged, qsa_load_block_keys_paged,
-                       qsa_select_tokens, qsa_sparse_attention_paged, qsa_store_block_keys_paged)
+from ..ops.qsa import (plan_qsa_block_score_paged, qsa_block_score, qsa_block_score_paged, qsa_compress_keys_paged,
+                       qsa_load_block_keys_paged, qsa_select_tokens, qsa_sparse_attention_paged,
+                       qsa_store_block_keys_paged)
 from .common import (DTYPE_NAMES, PAGE_SIZE, BenchRow, backend, copy_peer, one_thread, random_paged_blocks,
                      gather_peer, read_peer, threads_check, time_interleaved)
 from .peak import tile_peak_peer
@@ -61,9 +62,10 @@ MAX_PEER_SCRIPT = SOURCE_ROOT.parent / "benchmarks" / "max_peer.py"  # present i
 
 
 def _time_with_peers(call, max_peer: RemotePeer | None = None, *, check_threads: bool = False,
-                     **peers) -> tuple[float, dict[str, float], dict[str, float]]:
+                     reference_call=None, **peers) -> tuple[float, dict[str, float], dict[str, float]]:
     """Our time and each peer's, interleaved (:func:`.common.time_interleaved`); the ``reference`` peer
-    is ``call`` itself under ``SPARSEKV_BACKEND=reference``, the ``1thread`` peer ``call`` on one thread,
+    is ``call`` itself (``reference_call`` where given: a plan keeps the backend it was made with) under
+    ``SPARSEKV_BACKEND=reference``, the ``1thread`` peer ``call`` on one thread,
     the ``max`` peer ``max_peer`` when given (if it fails, the reason goes to stderr and the row is timed
     again without it). ``check_threads``: ours and ``1thread`` alone (:func:`.common.threads_check`)."""
     if check_threads:
@@ -71,7 +73,7 @@ def _time_with_peers(call, max_peer: RemotePeer | None = None, *, check_threads:
 
     def reference():
         with backend("reference"):
-            call()
+            (reference_call or call)()
 
     calls = {"ours": call, "1thread": one_thread(call), "reference": reference, **peers}
     if max_peer is not None:
@@ -182,7 +184,8 @@ def bench_block_score(batch: int, keys: int, rows_per_seq: int, dtype: torch.dty
                       paged: bool = False) -> BenchRow:
     """Rows at each sequence's last positions, 4 index heads, against its block keys; ``paged``: the same
     block keys in a block-key cache's pages (``PAGE_SIZE // RATIO`` per page, scattered), scored in place by
-    ``qsa_block_score_paged``, with the contiguous score as a peer (``contiguous``)."""
+    ``qsa_block_score_paged``'s plan (``plan.run``, a layer's call; the one-shot op is the ``op`` peer), with
+    the contiguous score as a peer (``contiguous``)."""
     generator = torch.Generator().manual_seed(1)
     max_blocks = keys // RATIO
     block_keys = torch.randn(batch * max_blocks, HEAD_DIM, generator=generator).to(dtype)
@@ -210,12 +213,18 @@ def bench_block_score(batch: int, keys: int, rows_per_seq: int, dtype: torch.dty
         block_cache = make_pooled_collection(block_blocks, positions.new_full((batch,), keys), table.view(batch, -1),
                                              kpool=RATIO)
         scores = torch.empty_like(out)
+        plan = plan_qsa_block_score_paged(block_cache, positions, offsets, ratio=RATIO,
+                                          score_scale=math.sqrt(HEAD_DIM), out_cols=max_blocks)
 
-        def paged_call():
+        def planned_run():  # a layer's call: the step's plan is made once for every QSA layer
+            plan.run(q, 0, out=scores)
+
+        def one_shot():
             qsa_block_score_paged(q, block_cache, 0, positions, offsets, ratio=RATIO, score_scale=math.sqrt(HEAD_DIM),
                                   out=scores)
 
-        call, extra_peers = paged_call, ({} if check_threads else {"contiguous": contiguous})
+        call, extra_peers = planned_run, ({} if check_threads else {"contiguous": contiguous, "op": one_shot,
+                                                                    "reference_call": one_shot})
         max_python = None
 
     visible = min(keys // RATIO, max_blocks)
@@ -229,7 +238,8 @@ def bench_block_score(batch: int, keys: int, rows_per_seq: int, dtype: torch.dty
                                                read=read_peer(nbytes), peak=peak, **extra_peers)
     kind = "decode" if rows_per_seq <= ROWS_PER_SEQUENCE else "prefill chunk"
     return BenchRow("qsa_block_score_paged" if paged else "qsa_block_score",
-                    f"{kind}: B={batch} rows={rows_per_seq}/seq heads=4 blocks={max_blocks}",
+                    f"{kind}: B={batch} rows={rows_per_seq}/seq heads=4 blocks={max_blocks}"
+                    + (" plan.run" if paged else ""),
                     DTYPE_NAMES[dtype], "cpu", ours, nbytes, peers, _max_note(peer, peers), paired)
 
 
