@@ -72,6 +72,28 @@ def _run_qsa(layer, manager, schedule, hidden_by_rid, mode="sparse", prompts=Non
     return {rid: torch.cat(chunks) for rid, chunks in outputs.items()}, results
 
 
+def test_qsa_layer_with_a_step_score_plan_equals_it_without_and_refuses_another_caches():
+    layer = _qsa_layer(torch.float32, 3)
+    manager = _qsa_manager(torch.float32, blocks=True)
+    manager.claim("r")
+    manager.allocate("r", 37)
+    batch = manager.prepare(["r"], [37])
+    hidden = torch.randn(37, QWEN.hidden_size, generator=torch.Generator().manual_seed(5))
+    call = dict(input_row_offsets=batch.input_row_offsets, kv_cache=batch.collection("main"),
+                index_cache=batch.collection("index"), cache_layer=0, block_cache=batch.collection("index_blocks"))
+    positions = torch.arange(37, dtype=torch.int32)
+    with torch.no_grad():
+        plain = layer(hidden, **call)
+        plan = layer.indexer.step_score_plan(call["index_cache"], call["block_cache"], positions,
+                                             batch.input_row_offsets)
+        planned = layer(hidden, **call, score_plan=plan)
+        assert torch.equal(planned.indices, plain.indices) and torch.equal(planned.output, plain.output)
+        other = layer.indexer.step_score_plan(call["index_cache"], call["index_cache"], positions,
+                                              batch.input_row_offsets)
+        with pytest.raises(ValueError, match="score_plan: expected a plan over block_cache, got one over another"):
+            layer(hidden, **call, score_plan=other)
+
+
 def _reference_dense_layer(layer: QSAAttention, hidden: torch.Tensor) -> torch.Tensor:
     """The layer's documented math over one whole sequence, fp32, full causal attention."""
     cfg = layer.config
