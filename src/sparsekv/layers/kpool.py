@@ -175,10 +175,10 @@ class KPoolIndexer(nn.Module):
         """One layer's indexer step; ``score_plan``: the step's pool-score plan over ``pooled_cache`` for
         these rows (:func:`step_score_plan`), shared by every indexer layer of the step, else the score
         plans for this layer alone."""
-        if score_plan is not None and score_plan.pooled_collection is not pooled_cache:
-            raise ValueError("score_plan: expected a plan over pooled_cache, got one over another cache")
-        if score_plan is not None and score_plan.kpool != self.kpool:
-            raise ValueError(f"score_plan: expected kpool {self.kpool} (the indexer's), got {score_plan.kpool}")
+        if score_plan is not None:
+            score_plan.check_over(pooled_cache, "pooled_cache")
+            if score_plan.kpool != self.kpool:
+                raise ValueError(f"score_plan: expected kpool {self.kpool} (the indexer's), got {score_plan.kpool}")
         offsets = input_row_offsets.to(hidden_states.device)
         positions = batch_positions(offsets, cache_lengths.to(hidden_states.device))
         with timer("kpool.project"):

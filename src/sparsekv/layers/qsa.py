@@ -192,8 +192,7 @@ class QSAIndexer(nn.Module):
                 return every_causal_token(positions, self.budget + self.ratio - 1)
         max_blocks = self._max_blocks(index_cache)
         if score_plan is not None:
-            if block_cache is None or score_plan.collection is not block_cache:
-                raise ValueError("score_plan: expected a plan over block_cache, got one over another cache")
+            score_plan.check_over(block_cache, "block_cache")
             with timer("qsa.score"):
                 scores = score_plan.run(index_q, cache_layer)
         elif block_cache is None:

@@ -45,6 +45,12 @@ class PagedScorePlanBase:
     def total_q(self) -> int:
         return self.query_positions.shape[0]
 
+    def check_over(self, collection: PagedKVCacheCollection | None, name: str) -> None:
+        """Refuse to stand for another cache than ``collection`` (``name`` is its argument): a layer given a
+        step's plan."""
+        if self.collection is not collection:
+            raise ValueError(f"score_plan: expected a plan over {name}, got one over another cache")
+
     def check_layer(self, layer_idx: int, name: str) -> None:
         """Refuse a cache whose storage was replaced after planning (``name`` is the cache's argument), and a
         layer it does not have."""

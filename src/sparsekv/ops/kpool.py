@@ -355,10 +355,6 @@ class KPoolScorePlan(PagedScorePlanBase):
         super().__init__(pooled_collection, query_positions, input_row_offsets, out_cols, FAMILY, "ScorePlan",
                          (kpool, out_cols))
 
-    @property
-    def pooled_collection(self) -> PagedKVCacheCollection:
-        return self.collection
-
     def run(self, q: torch.Tensor, head_weights: torch.Tensor, layer_idx: int, *,
             out: torch.Tensor | None = None) -> torch.Tensor:
         """Score every visible pool of layer ``layer_idx`` for every planned query row (SPEC 3.3).
