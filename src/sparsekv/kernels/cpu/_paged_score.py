@@ -40,11 +40,10 @@ from ._tile_ops import KEYS_PER_TASK, dots_of_rows, new_scratch, prefetch_span
 
 
 @numba.njit(cache=True, nogil=True)
-def visible_keys(positions, offsets, ratio, out_cols, table, num_pages, per_page):
-    """``(visible [total_q], total, missing)``: the keys each row sees (``(t+1)//ratio`` capped at
-    ``out_cols``), their sum (the work to split), and the first page a row's keys need that ``table`` lacks
-    (:func:`._pages.first_missing_page`; pages of ``per_page`` keys, ``num_pages`` in the cache):
-    ``(sequence, first key of the page)`` or ``(-1, -1)``. One call for both: a numba call costs ~1 us."""
+def visible_keys(positions, offsets, ratio, out_cols):
+    """``(visible [total_q], needed [B], total)``: the keys each row sees (``(t+1)//ratio`` capped at
+    ``out_cols``), each sequence's most (the keys whose pages it needs) and their sum over the rows (the
+    work to split)."""
     batch = offsets.shape[0] - 1
     visible = np.empty(positions.shape[0], np.int64)
     needed = np.zeros(batch, np.int64)
@@ -54,7 +53,7 @@ def visible_keys(positions, offsets, ratio, out_cols, table, num_pages, per_page
             visible[r] = min(max((np.int64(positions[r]) + 1) // ratio, 0), out_cols)
             needed[b] = max(needed[b], visible[r])
             total += visible[r]
-    return visible, total, first_missing_page(table, num_pages, per_page, needed)
+    return visible, needed, total
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -86,17 +85,26 @@ def _prefetch_ahead(cache, table, b, key, num_keys, page_stride, base, per_page,
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
-def _paged_score_kernel(scores, q, head_weights, cache, page_stride, base, per_page, table, visible, offsets,
-                        divisor, threads):
+def _paged_score_kernel(scores, q, head_weights, cache, page_stride, base, per_page, num_pages, table, visible,
+                        seq_keys, offsets, divisor, threads):
     """``scores [total_q, out_cols]``; ``q [total_q, heads, D]``; ``head_weights [total_q, heads]`` float32 or
     ``None``; ``cache`` the paged keys as one flat array: key slot ``s`` of page ``n`` (this layer) starts at
-    ``cache[n*page_stride + base + s*D]``; ``divisor`` float32.
+    ``cache[n*page_stride + base + s*D]``, ``num_pages`` pages; ``divisor`` float32; ``visible`` and
+    ``seq_keys`` (its ``needed``) from :func:`visible_keys`.
+
+    Returns ``(-1, -1)`` having written the scores, or, having written nothing, the first page that a
+    sequence's ``seq_keys`` keys need and ``table`` lacks (:func:`._pages.first_missing_page`): the check
+    runs in the same call as the scores (a numba call from Python costs ~1.5 us, more with the caches
+    cold after a layer's other work).
 
     Each group of a task's rows runs over the chunk's keys it sees (none: the group is skipped), page by
     page, while the next two pages are prefetched (:func:`_prefetch_ahead`). ``q_t[group]`` holds a row group's queries
     transposed, ``[D, lanes]``, zero padding lanes. The tasks run as ``threads`` contiguous runs
     (:func:`._parallel.worker_tasks`), each with one set of scratch.
     """
+    seq, key = first_missing_page(table, num_pages, per_page, seq_keys)
+    if seq >= 0:
+        return seq, key
     total_q, heads, dim = q.shape
     batch = offsets.shape[0] - 1
     num_keys, task_starts, group_starts, q_t, group_rows = plan_score_tasks(scores, q, offsets, visible)
@@ -134,6 +142,7 @@ def _paged_score_kernel(scores, q, head_weights, cache, page_stride, base, per_p
                     group_weights[: r1 - r0] = head_weights[r0:r1]
                     write_group_scores(scores, dots, work, r0, r1, key0, chunk, needed, visible, lanes, heads,
                                        group_weights, divisor)
+    return np.int64(-1), np.int64(-1)
 
 
 class PagedKeys(NamedTuple):
@@ -161,62 +170,49 @@ def paged_keys(blocks: torch.Tensor) -> PagedKeys:
     return PagedKeys(cache, page_stride, base, per_page * heads * dim, per_page, num_pages)
 
 
-def run_paged_scores(scores: torch.Tensor, q: torch.Tensor, head_weights: np.ndarray | None, keys: PagedKeys,
-                     table: np.ndarray, visible: np.ndarray, total_visible: int, offsets: np.ndarray, layer: int,
-                     divisor: float) -> None:
-    """Run :func:`_paged_score_kernel` over ``layer`` of ``keys`` (pages validated by the caller for every
-    key a row sees, in ``table``, the lookup table's values), writing ``scores`` in place;
-    ``visible``/``total_visible`` from :func:`visible_keys`."""
-    target = scores if scores.is_contiguous() else torch.empty_like(scores, memory_format=torch.contiguous_format)
-    with threads_for(total_visible * q.shape[1] * q.shape[2]) as threads:
-        _paged_score_kernel(target.numpy(), as_numba(q.contiguous()), head_weights, keys.cache, keys.page_stride,
-                            keys.base + layer * keys.layer_span, keys.per_page, table, visible, offsets,
-                            np.float32(divisor), threads)
-    if target is not scores:
-        scores.copy_(target)
-
-
 class PagedScorePlan:
-    """A paged score's query rows over one key cache, set up once and run for any of its layers: the rows'
-    positions and offsets as numpy views (the caller keeps those tensors unchanged: the ops' plans pass
-    their own copies), the keys as the kernel reads them (:func:`paged_keys`), ``ratio`` (tokens per key),
-    ``out_cols`` and ``divisor``.
+    """A paged score's query rows over one key cache, set up once and run for any of its layers: the keys each
+    row sees (:func:`visible_keys` of the rows' positions and offsets, ``ratio`` tokens per key, at most
+    ``out_cols``), the keys as the kernel reads them (:func:`paged_keys`) and ``divisor``.
 
-    :meth:`run` reads the lookup table's values as they are then and checks again that every key a row
-    sees has a page (the table may change between runs: a plan never reads a page it has not checked).
-    A family names a missing page its own way (:meth:`page_error`); the k-pool score and the QSA block
-    score each subclass it.
+    Pages are checked when the plan is made (an early error) and again by each run, in the kernel's own
+    call, against the lookup table's values as they are then (the table may change between runs: a plan
+    never reads a page it has not checked, and a run that finds one missing writes nothing). A family names
+    a missing page its own way (:meth:`page_error`); the k-pool score and the QSA block score each subclass
+    it.
     """
 
-    __slots__ = ("lookup_table", "table", "positions", "offsets", "ratio", "out_cols", "divisor", "keys")
+    __slots__ = ("lookup_table", "table", "positions", "offsets", "ratio", "divisor", "keys", "visible",
+                 "seq_keys", "total_visible")
 
     def __init__(self, blocks: torch.Tensor, lookup_table: torch.Tensor, query_positions: torch.Tensor,
                  input_row_offsets: torch.Tensor, ratio: int, out_cols: int, divisor: float) -> None:
         self.lookup_table, self.table = lookup_table, lookup_table.numpy()
         self.positions, self.offsets = query_positions.numpy(), input_row_offsets.numpy()
-        self.ratio, self.out_cols, self.divisor = ratio, out_cols, divisor
+        self.ratio, self.divisor = ratio, divisor
         self.keys = paged_keys(blocks)
-        self.visible()
+        self.visible, self.seq_keys, self.total_visible = visible_keys(self.positions, self.offsets, ratio, out_cols)
+        seq, key = first_missing_page(self.table, self.keys.num_pages, self.keys.per_page, self.seq_keys)
+        if seq >= 0:
+            raise self.page_error(seq, key)
 
     def page_error(self, seq: int, key: int) -> ValueError:
         """The error for key ``key`` of sequence ``seq``, which a row sees, without a valid page."""
         raise NotImplementedError
 
-    def visible(self) -> tuple[np.ndarray, int]:
-        """``(visible, total)`` of :func:`visible_keys` against the table as it is now; raises
-        :meth:`page_error` for a visible key without a page."""
-        keys = self.keys
-        visible, total, (seq, key) = visible_keys(self.positions, self.offsets, self.ratio, self.out_cols,
-                                                  self.table, keys.num_pages, keys.per_page)
-        if seq >= 0:
-            raise self.page_error(seq, key)
-        return visible, total
-
     def run_scores(self, scores: torch.Tensor, q: torch.Tensor, head_weights: np.ndarray | None, layer: int) -> None:
-        """The scores of ``layer`` into ``scores [total_q, out_cols]`` (pages checked first, nothing written
-        when one is missing)."""
+        """The scores of ``layer`` into ``scores [total_q, out_cols]`` (the rows' pages checked first, nothing
+        written when one is missing)."""
         if scores.shape[0] == 0:
             return
-        visible, total = self.visible()
-        run_paged_scores(scores, q, head_weights, self.keys, self.table, visible, total, self.offsets, layer,
-                         self.divisor)
+        keys = self.keys
+        target = scores if scores.is_contiguous() else torch.empty_like(scores, memory_format=torch.contiguous_format)
+        with threads_for(self.total_visible * q.shape[1] * q.shape[2]) as threads:
+            seq, key = _paged_score_kernel(target.numpy(), as_numba(q.contiguous()), head_weights, keys.cache,
+                                           keys.page_stride, keys.base + layer * keys.layer_span, keys.per_page,
+                                           keys.num_pages, self.table, self.visible, self.seq_keys, self.offsets,
+                                           np.float32(self.divisor), threads)
+        if seq >= 0:
+            raise self.page_error(seq, key)
+        if target is not scores:
+            scores.copy_(target)

@@ -311,7 +311,7 @@ def mla_kpool_score(scores, q, head_weights, pooled_blocks, lookup_table, query_
     """See :func:`sparsekv.kernels.reference.kpool.mla_kpool_score`.
 
     Every sequence's pages are validated first; then one numba pass
-    (:func:`._paged_score.run_paged_scores`, shared with the QSA block score over a
+    (:class:`._paged_score.PagedScorePlan`, shared with the QSA block score over a
     block-key cache) reads the pooled keys straight from their pages (:class:`ScorePlan`).
     """
     ScorePlan(pooled_blocks, lookup_table, query_positions, input_row_offsets, kpool, scores.shape[1]).run(
