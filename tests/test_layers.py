@@ -11,7 +11,8 @@ import math
 import pytest
 import torch
 
-from sparsekv import make_pooled_collection, mla_kpool_compress, qsa_select_tokens, rope_freqs_cis
+from sparsekv import (make_pooled_collection, mla_kpool_compress, plan_qsa_block_score_paged, qsa_select_tokens,
+                      rope_freqs_cis)
 from sparsekv.cache.manager import CacheGroupSpec, PagedKVCacheManager
 from sparsekv.demo import seed_parameters
 from sparsekv.layers import (Glm5NextConfig, Glm5NextIndexerSlice, GlmMoeDsaConfig, KPoolIndexerLayer, MlaSlice,
@@ -72,7 +73,7 @@ def _run_qsa(layer, manager, schedule, hidden_by_rid, mode="sparse", prompts=Non
     return {rid: torch.cat(chunks) for rid, chunks in outputs.items()}, results
 
 
-def test_qsa_layer_with_a_step_score_plan_equals_it_without_and_refuses_another_caches():
+def test_qsa_layer_with_a_step_score_plan_equals_it_without_and_refuses_another_caches_rows_or_scale():
     layer = _qsa_layer(torch.float32, 3)
     manager = _qsa_manager(torch.float32, blocks=True)
     manager.claim("r")
@@ -92,6 +93,14 @@ def test_qsa_layer_with_a_step_score_plan_equals_it_without_and_refuses_another_
                                               batch.input_row_offsets)
         with pytest.raises(ValueError, match="score_plan: expected a plan over block_cache, got one over another"):
             layer(hidden, **call, score_plan=other)
+        other_rows = layer.indexer.step_score_plan(call["index_cache"], call["block_cache"], positions.flip(0),
+                                                   batch.input_row_offsets)
+        with pytest.raises(ValueError, match="score_plan: expected a plan of these query rows"):
+            layer(hidden, **call, score_plan=other_rows)
+        other_scale = plan_qsa_block_score_paged(call["block_cache"], positions, batch.input_row_offsets,
+                                                 ratio=plan.ratio, score_scale=1.0, out_cols=plan.out_cols)
+        with pytest.raises(ValueError, match=r"score_plan: expected ratio 4 and score_scale .* got 4 and 1.0"):
+            layer(hidden, **call, score_plan=other_scale)
 
 
 def _reference_dense_layer(layer: QSAAttention, hidden: torch.Tensor) -> torch.Tensor:
@@ -303,7 +312,7 @@ def test_kpool_ape_stays_float32_in_a_bf16_model():
     assert slice_.layers[0].indexer.wk.weight.dtype == torch.bfloat16
 
 
-def test_kpool_indexer_refuses_a_score_plan_of_another_cache_or_pool_size():
+def test_kpool_indexer_refuses_a_score_plan_of_another_cache_rows_or_pool_size():
     indexer = Glm5NextIndexerSlice(GLM, 16).layers[0].indexer
     blocks = torch.zeros(2, 1, 1, PAGE // GLM.index_kpool, 1, GLM.index_head_dim)
     cache = make_pooled_collection(blocks, torch.tensor([5]), torch.tensor([[0]], dtype=torch.int32), kpool=4)
@@ -316,6 +325,9 @@ def test_kpool_indexer_refuses_a_score_plan_of_another_cache_or_pool_size():
         indexer(hidden, latent, **call, score_plan=step_score_plan(other, offsets, lengths, 4))
     with pytest.raises(ValueError, match=r"score_plan: expected kpool 4 \(the indexer's\), got 2"):
         indexer(hidden, latent, **call, score_plan=step_score_plan(cache, offsets, lengths, 2))
+    earlier_step = step_score_plan(cache, offsets, lengths - 1, 4)  # its row one position back
+    with pytest.raises(ValueError, match="score_plan: expected a plan of these query rows"):
+        indexer(hidden, latent, **call, score_plan=earlier_step)
 
 
 # ---------------------------------------------------------------------------

@@ -175,12 +175,12 @@ class KPoolIndexer(nn.Module):
         """One layer's indexer step; ``score_plan``: the step's pool-score plan over ``pooled_cache`` for
         these rows (:func:`step_score_plan`), shared by every indexer layer of the step, else the score
         plans for this layer alone."""
-        if score_plan is not None:
-            score_plan.check_over(pooled_cache, "pooled_cache")
-            if score_plan.kpool != self.kpool:
-                raise ValueError(f"score_plan: expected kpool {self.kpool} (the indexer's), got {score_plan.kpool}")
         offsets = input_row_offsets.to(hidden_states.device)
         positions = batch_positions(offsets, cache_lengths.to(hidden_states.device))
+        if score_plan is not None:
+            score_plan.check_for(pooled_cache, "pooled_cache", positions, offsets)
+            if score_plan.kpool != self.kpool:
+                raise ValueError(f"score_plan: expected kpool {self.kpool} (the indexer's), got {score_plan.kpool}")
         with timer("kpool.project"):
             q, keys, gates, head_weights = self.project(hidden_states, q_latent, positions)
         if ring is None or slot_ids is None:

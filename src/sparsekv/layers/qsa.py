@@ -185,17 +185,21 @@ class QSAIndexer(nn.Module):
         compressing or scoring. With a ``block_cache`` that :meth:`store_blocks`
         has brought up to this call, the blocks are scored where they lie in it
         instead of pooled again (the same bits), through ``score_plan`` when given
-        (:meth:`step_score_plan` of this step's rows over ``block_cache``).
+        (:meth:`step_score_plan` of this step's rows over ``block_cache``; one of other rows, another cache,
+        ratio or scale raises ``ValueError``).
         """
         if self.scores_all_tokens(index_cache):
             with timer("qsa.select"):
                 return every_causal_token(positions, self.budget + self.ratio - 1)
-        max_blocks = self._max_blocks(index_cache)
         if score_plan is not None:
-            score_plan.check_over(block_cache, "block_cache")
+            score_plan.check_for(block_cache, "block_cache", positions, input_row_offsets)
+            if (score_plan.ratio, score_plan.score_scale) != (self.ratio, math.sqrt(self.head_dim)):
+                raise ValueError(f"score_plan: expected ratio {self.ratio} and score_scale {math.sqrt(self.head_dim)} "
+                                 f"(the indexer's), got {score_plan.ratio} and {score_plan.score_scale}")
             with timer("qsa.score"):
                 scores = score_plan.run(index_q, cache_layer)
         elif block_cache is None:
+            max_blocks = self._max_blocks(index_cache)
             with timer("qsa.compress"):
                 block_keys = qsa_compress_keys_paged(
                     self.k_layernorm.weight, freqs_cis, key_counts_after_call(index_cache, input_row_offsets),
@@ -207,7 +211,7 @@ class QSAIndexer(nn.Module):
             with timer("qsa.score"):
                 scores = qsa_block_score_paged(index_q, block_cache, cache_layer, positions, input_row_offsets,
                                                ratio=self.ratio, score_scale=math.sqrt(self.head_dim),
-                                               out_cols=max_blocks)
+                                               out_cols=self._max_blocks(index_cache))
         with timer("qsa.select"):
             indices, counts = qsa_select_tokens(scores, positions, input_row_offsets, ratio=self.ratio,
                                                 budget=self.budget)

@@ -19,7 +19,13 @@ from collections.abc import Callable
 import torch
 
 from ..cache.layout import PagedKVCacheCollection
+from .._env import host_checks
 from ._registry import dispatch_needed, optional_kernel
+
+
+def _same_values(planned: torch.Tensor, given: torch.Tensor) -> bool:
+    """Whether ``given`` holds ``planned``'s values (any integer dtype)."""
+    return planned.shape == given.shape and torch.equal(planned, given.to(planned.device))
 
 
 class PagedScorePlanBase:
@@ -45,11 +51,19 @@ class PagedScorePlanBase:
     def total_q(self) -> int:
         return self.query_positions.shape[0]
 
-    def check_over(self, collection: PagedKVCacheCollection | None, name: str) -> None:
-        """Refuse to stand for another cache than ``collection`` (``name`` is its argument): a layer given a
-        step's plan."""
+    def check_for(self, collection: PagedKVCacheCollection | None, name: str, query_positions: torch.Tensor,
+                  input_row_offsets: torch.Tensor) -> None:
+        """Refuse to stand for another cache than ``collection`` (``name`` is its argument) or, where values are
+        checked on the host (:func:`.._env.host_checks`), for other rows than ``query_positions`` and
+        ``input_row_offsets``: a layer given a step's plan (an earlier step's plan would score its rows at
+        their old positions)."""
         if self.collection is not collection:
             raise ValueError(f"score_plan: expected a plan over {name}, got one over another cache")
+        if host_checks(self.blocks.device) and not (
+                _same_values(self.query_positions, query_positions)
+                and _same_values(self.input_row_offsets, input_row_offsets)):
+            raise ValueError("score_plan: expected a plan of these query rows (their positions and row offsets), "
+                             "got one of other rows; make one plan per step")
 
     def check_layer(self, layer_idx: int, name: str) -> None:
         """Refuse a cache whose storage was replaced after planning (``name`` is the cache's argument), and a
