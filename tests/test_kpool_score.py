@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,6 +17,8 @@ from sparsekv import (
     store_pooled_keys,
 )
 from sparsekv.kernels.cpu import kpool as cpu
+from sparsekv.kernels.cpu._bits import as_numba
+from sparsekv.kernels.cpu._paged_score import _paged_score_kernel
 from sparsekv.kernels.reference import kpool as ref
 
 
@@ -411,6 +414,35 @@ def test_score_cpu_many_pools_and_rows_equals_reference_and_rows_alone(dtype, he
         cpu.mla_kpool_score(alone, q[r : r + 1], w[r : r + 1], blocks, table[seq : seq + 1], positions[r : r + 1],
                             torch.tensor([0, 1], dtype=torch.int32), kpool, 0)
         assert torch.equal(alone[0], got[r]), f"row {r} scored alone differs from the batched call"
+
+
+@pytest.mark.parametrize("heads", [3, 32])
+def test_score_cpu_kernel_bits_do_not_depend_on_the_worker_count(heads):
+    """The paged kernel's tasks taken as they go by 1, 2 or 5 workers (more than the threads there are): the
+    same bits, and the reference's values."""
+    gen = torch.Generator().manual_seed(7 + heads)
+    kpool, per_page, dim = 4, 8, 48
+    seq_lengths = [4 * 700, 4 * 333 + 3]
+    pooled_keys = [torch.randn(n // kpool, dim, generator=gen).to(torch.bfloat16) for n in seq_lengths]
+    blocks, table = fill_pooled_cache(pooled_keys, kpool, per_page, layer=0, num_layers=1, gen=gen)
+    positions = torch.tensor([seq_lengths[0] - 1, seq_lengths[0] - 9, seq_lengths[1] - 1], dtype=torch.int32)
+    offsets = torch.tensor([0, 2, 3], dtype=torch.int32)
+    q = torch.randn(3, heads, dim, generator=gen).to(torch.bfloat16)
+    w = torch.randn(3, heads, generator=gen) / heads
+    out_cols = seq_lengths[0] // kpool
+    plan = cpu.ScorePlan(blocks, table, positions, offsets, kpool, out_cols)
+    keys = plan.keys
+    outs = []
+    for workers in (1, 2, 5):
+        out = torch.full((3, out_cols), float("nan"))
+        _paged_score_kernel(out.numpy(), as_numba(q), w.numpy(), keys.cache, keys.page_stride, keys.base,
+                            keys.per_page, keys.num_pages, plan.table, plan.visible, plan.seq_keys, plan.offsets,
+                            np.float32(1.0), workers)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    want = torch.full_like(outs[0], float("nan"))
+    ref.mla_kpool_score(want, q, w, blocks, table, positions, offsets, kpool, 0)
+    assert_scores_close(outs[0], want)
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu"])

@@ -160,8 +160,9 @@ def test_cpu_many_keys_and_rows_equals_reference_and_rows_alone(heads):
 
 @pytest.mark.parametrize("heads", [3, 4])
 def test_cpu_kernel_bits_do_not_depend_on_the_worker_count(heads):
-    """The kernel's tasks split into 1, 2 or 5 contiguous runs (one per thread, each with its own scratch):
-    the same bits, with and without the in-register epilogue (4 heads), and the reference's values."""
+    """The kernel's tasks taken as they go by 1, 2 or 5 workers (more than the threads there are; each with
+    its own scratch): the same bits, with and without the in-register epilogue (4 heads), and the reference's
+    values."""
     from sparsekv.kernels.cpu._bits import as_numba
 
     generator = torch.Generator().manual_seed(heads)

@@ -23,6 +23,7 @@ import numba
 import numpy as np
 import torch
 
+from ..kernels.cpu._parallel import claim_tasks
 from ..kernels.cpu._tile_ops import KEYS_PER_TASK, tile_dots
 
 _LANES = 16  # one vector of lanes, as the score kernels' tile
@@ -31,11 +32,17 @@ _CHANNELS = 128
 
 @numba.njit(parallel=True, cache=True, nogil=True)
 def _run_tiles(dots, q_t, keys, calls):
-    """``calls`` tile passes over the same L1-resident operands, split over the numba threads."""
+    """``calls`` tile passes over the same L1-resident operands, taken by the numba threads as they go
+    (:func:`..kernels.cpu._parallel.claim_tasks`, as the score kernels do: a core slower for a while
+    does not hold the others up)."""
     threads = dots.shape[0]
+    claimed = np.zeros(1, np.int64)
     for t in numba.prange(threads):
-        for _ in range(t, calls, threads):
-            tile_dots(dots[t], q_t, keys, _LANES, KEYS_PER_TASK)
+        first, end = claim_tasks(claimed, calls, threads)
+        while first < calls:
+            for _ in range(first, end):
+                tile_dots(dots[t], q_t, keys, _LANES, KEYS_PER_TASK)
+            first, end = claim_tasks(claimed, calls, threads)
 
 
 def _operands(dtype: torch.dtype):

@@ -54,6 +54,8 @@ from collections.abc import Callable
 
 import numba
 import torch
+from numba import types
+from numba.extending import intrinsic
 
 # NOTE: numba's OpenMP threading layer is the fastest here (the sparse
 # attention kernel ran 1.7x slower under TBB or workqueue). With torch's PyPI
@@ -317,10 +319,10 @@ def threads_for(work: int) -> numba_threads:
 
 @numba.njit(cache=True, nogil=True, inline="always")
 def balanced_order(task, tasks):
-    """The ``task``-th of ``tasks`` in the order first, last, second, second to last, ...: each contiguous
-    half of the iterations (numba splits a ``prange`` into equal contiguous runs, one per thread) then holds
-    as many early tasks as late ones, where work grows or shrinks along the tasks (a causal prefill's late
-    rows select more keys than its early ones; its late key chunks are seen by fewer rows)."""
+    """The ``task``-th of ``tasks`` in the order first, last, second, second to last, ...: each contiguous run
+    of the iterations (numba's equal split of a ``prange``, or a run a worker claims: :func:`claim_tasks`)
+    then holds as many early tasks as late ones, where work grows or shrinks along the tasks (a causal
+    prefill's late rows select more keys than its early ones; its late key chunks are seen by fewer rows)."""
     return task // 2 if task % 2 == 0 else tasks - 1 - task // 2
 
 
@@ -333,3 +335,57 @@ def worker_tasks(worker, workers, tasks):
     allocates its scratch once per worker instead of once per task (the score kernels' three scratch
     arrays per 128-key task were 8-9% of a decode call)."""
     return worker * tasks // workers, (worker + 1) * tasks // workers
+
+
+def _is_counter(counter) -> bool:
+    return isinstance(counter, types.Array) and counter.ndim == 1 and counter.dtype == types.int64
+
+
+@intrinsic
+def _fetch_add(typingctx, counter, amount):
+    """``counter[0] += amount`` as one atomic step (any thread may run it at once), returning the value before
+    (numba only). ``counter`` a 1-d int64 array; relaxed ordering: nothing is published through it, and the
+    region's end is the barrier for the tasks' outputs."""
+    if not (_is_counter(counter) and isinstance(amount, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        value = context.cast(builder, args[1], sig.args[1], types.int64)
+        return builder.atomic_rmw("add", data, value, "monotonic")
+
+    return types.int64(counter, amount), codegen
+
+
+@intrinsic
+def _load_relaxed(typingctx, counter):
+    """``counter[0]`` read as one atomic load (numba only; ``counter`` as for :func:`_fetch_add`)."""
+    if not _is_counter(counter):
+        return None
+
+    def codegen(context, builder, sig, args):
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        return builder.load_atomic(data, "monotonic", 8)
+
+    return types.int64(counter), codegen
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def claim_tasks(counter, tasks, workers):
+    """``(first, end)``: the next run of ``tasks`` a worker of ``prange(workers)`` takes from ``counter`` (int64
+    ``[1]``, zero when the region starts, shared by the workers), a guided share: what is left over ``2 *
+    workers``, at least one task. ``first >= tasks``: none left.
+
+    The workers take the tasks as they go instead of a fixed equal share each: on a shared machine one core
+    often runs slower than the other for a while (another tenant's work beside it), and an equal split
+    then waits for its slower worker (the decode pool score's two workers, bf16, ended 18-84 us apart at
+    the median, 3 with this; the score kernels up to 1.14x faster, docs/benchmarks.md). Long runs first
+    keep each worker's keys in long streams; every task is one worker's, so results do not depend on who
+    runs it.
+
+    Example: ``for worker in prange(workers)``: ``first, end = claim_tasks(counter, tasks, workers)``, then
+    ``while first < tasks:`` run ``range(first, end)`` and claim again.
+    """
+    grain = max(1, (tasks - _load_relaxed(counter)) // (2 * workers))
+    first = _fetch_add(counter, grain)
+    return first, min(first + grain, tasks)

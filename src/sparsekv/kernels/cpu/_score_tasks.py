@@ -68,8 +68,9 @@ def plan_score_tasks(scores, q, offsets, visible):
 @numba.njit(cache=True, nogil=True, inline="always")
 def task_in_order(task, task_starts, group_starts):
     """Which task of :func:`plan_score_tasks` the ``task``-th iteration runs: in key order when every
-    sequence has one row group (decode: the tasks cost the same, and each thread's share of a sequence's
-    keys is then one stream for the hardware prefetcher; 10% of a 32k-block bf16 block score on one thread),
+    sequence has one row group (decode: the tasks cost the same, and each run of tasks a worker takes,
+    :func:`._parallel.claim_tasks`, is then one stream of a sequence's keys for the hardware prefetcher;
+    10% of a 32k-block bf16 block score on one thread),
     else :func:`._parallel.balanced_order` (a causal prefill's row groups see more keys the later they
     are, so the early tasks serve more of them)."""
     batch = task_starts.shape[0] - 1

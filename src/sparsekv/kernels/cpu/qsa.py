@@ -81,7 +81,7 @@ from ._tile_ops import KEYS_PER_TASK, dots_of_rows, new_scratch, square_sums_in_
 from ._pages import first_missing_page
 from ._paged_rows import flat_plane
 from ._paged_score import PagedScorePlan
-from ._parallel import PARALLEL_JIT, threads_for, worker_tasks
+from ._parallel import PARALLEL_JIT, claim_tasks, threads_for
 from ._sparse_attend import sparse_attention
 
 _ROWS_PER_TASK = 64  # block-key rows per compress task (groups of SQUARE_SUM_ROWS: their RMSNorm sums run at once)
@@ -354,7 +354,8 @@ def _block_score_kernel(scores, q, keys, offsets, positions, ratio, max_blocks, 
     rows runs over the chunk's keys, read in place (:func:`._tile_ops.dots_of_rows`).
     ``q_t[group]`` holds a row group's queries transposed, lane ``row*heads +
     h``, zeros in the padding lanes.
-    The tasks run as ``threads`` contiguous runs (:func:`._parallel.worker_tasks`), each with one set of scratch.
+    ``threads`` workers take the tasks in runs as they go (:func:`._parallel.claim_tasks`), each with one set of
+    scratch.
     """
     total_q, heads, dim = q.shape
     batch = offsets.shape[0] - 1
@@ -367,22 +368,25 @@ def _block_score_kernel(scores, q, keys, offsets, positions, ratio, max_blocks, 
     divisor = np.float32(scale)  # the block score sums relu(dot) unweighted, then divides
     tasks = task_starts[batch]
     workers = max(1, min(threads, tasks))
+    claimed = np.zeros(1, np.int64)
     for worker in prange(workers):
         scratch = new_scratch(keys, dim)
         dots = np.empty((KEYS_PER_TASK + KEYS_PER_TILE, group_lanes), np.float32)
         work = np.empty((group_lanes, KEYS_PER_TASK + KEYS_PER_TILE), np.float32)
-        first_task, end_task = worker_tasks(worker, workers, tasks)
-        for task in range(first_task, end_task):
-            b, first_row, end_row, g0, chunk = score_task(task, task_starts, group_starts, num_keys, offsets)
-            rows = keys[b * max_blocks + g0 : b * max_blocks + g0 + chunk]
-            for r0 in range(first_row, end_row, group_rows):
-                r1, needed, lanes = row_group(r0, end_row, group_rows, visible, g0, chunk, heads)
-                if needed <= 0:
-                    continue
-                dots_of_rows(dots, q_t[group_starts[b] + (r0 - first_row) // group_rows], rows[:needed], lanes,
-                             scratch)
-                write_group_scores(scores, dots, work, r0, r1, g0, chunk, needed, visible, lanes, heads, None,
-                                   divisor)
+        first_task, end_task = claim_tasks(claimed, tasks, workers)
+        while first_task < tasks:
+            for task in range(first_task, end_task):
+                b, first_row, end_row, g0, chunk = score_task(task, task_starts, group_starts, num_keys, offsets)
+                rows = keys[b * max_blocks + g0 : b * max_blocks + g0 + chunk]
+                for r0 in range(first_row, end_row, group_rows):
+                    r1, needed, lanes = row_group(r0, end_row, group_rows, visible, g0, chunk, heads)
+                    if needed <= 0:
+                        continue
+                    dots_of_rows(dots, q_t[group_starts[b] + (r0 - first_row) // group_rows], rows[:needed], lanes,
+                                 scratch)
+                    write_group_scores(scores, dots, work, r0, r1, g0, chunk, needed, visible, lanes, heads, None,
+                                       divisor)
+            first_task, end_task = claim_tasks(claimed, tasks, workers)
 
 
 def qsa_block_score(scores, q, block_keys, query_positions, input_row_offsets, ratio, score_scale):
