@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import random
@@ -100,6 +101,27 @@ def test_cpu_matches_reference(dtype):
     assert_spec_close(torch.cat(got), torch.cat(want), what="cpu vs reference")
     # every rounding point and summation order is fixed, so the CPU path is bit-exact
     assert torch.equal(torch.cat(got).view(torch.uint8), torch.cat(want).view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_cpu_bits_do_not_depend_on_the_worker_count(dtype, monkeypatch):
+    """The kernel's row tasks taken as they go by 1, 2 or 5 workers (more than the threads there are): the
+    reference's bits each time."""
+    rng = random.Random(random.randrange(1 << 30))
+    for _ in range(2):
+        case = random_case(rng, dtype, dim=rng.choice([24, 128]), ratio=2)
+        # enough rows for runs of several 64-row tasks: 3 sequences of up to 1500 keys
+        case["key_counts"] = [rng.randrange(1000, 1500) for _ in range(3)]
+        case["histories"] = [torch.randn(n, 1, case["gamma"].shape[0]).to(dtype) for n in case["key_counts"]]
+        case["blocks"], case["table"] = build_paged_cache(case["histories"], page_size=16, num_layers=1, layer=0,
+                                                          kv=1, stride_pad=0, rng=rng)
+        case["layer"], case["max_blocks"] = 0, max(case["key_counts"]) // 2
+        case["freqs"] = rope_freqs_cis(max(case["key_counts"]) + 1, case["freqs"].shape[1], theta=1e4)
+        want = run_kernel(ref_qsa.qsa_compress_keys_paged, case, dtype)
+        for workers in (1, 2, 5):
+            monkeypatch.setattr(cpu_qsa, "threads_for", lambda work, n=workers: contextlib.nullcontext(n))
+            got = run_kernel(cpu_qsa.qsa_compress_keys_paged, case, dtype)
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), f"{workers} workers"
 
 
 @pytest.mark.parametrize("fp16_path", ["this machine's", "integer fallback"])

@@ -171,10 +171,12 @@ def _inverse_ratio(ratio):
 
 
 @numba.njit(**PARALLEL_JIT)
-def _compress_kernel(out, keys, page_stride, base, page_size, table, num_blocks, gamma, freqs, ratio, eps):
+def _compress_kernel(out, keys, page_stride, base, page_size, table, num_blocks, gamma, freqs, ratio, eps, threads):
     """``out [B*max_blocks, D]``; ``keys`` the flat cache (see ``flat_plane``, one head);
     ``freqs [positions, rotary]`` float32, (cos, sin) pairs interleaved; ``num_blocks [B]`` pooled blocks per
-    sequence."""
+    sequence. ``threads`` workers take the tasks of ``_ROWS_PER_TASK`` rows in runs as they go
+    (:func:`._parallel.claim_tasks`), each with one set of scratch (against numba's equal split of a
+    ``prange`` over the tasks: 1.04-1.15x faster in bf16, 1.05-1.28x in fp32, at 4 x 8192-131072 keys)."""
     rows, dim = out.shape
     max_blocks = rows // num_blocks.shape[0]
     half = freqs.shape[1] // 2
@@ -186,30 +188,37 @@ def _compress_kernel(out, keys, page_stride, base, page_size, table, num_blocks,
     scales = _norm_scales(gamma)
     inverse_ratio = _inverse_ratio(ratio)
     tasks = (rows + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK
-    for task in prange(tasks):
+    workers = max(1, min(threads, tasks))
+    claimed = np.zeros(1, np.int64)
+    for worker in prange(workers):
         acc = np.empty((SQUARE_SUM_ROWS, dim), np.float32)
         squares = np.empty(SQUARE_SUM_ROWS, np.float32)
         inv_rms = np.empty(SQUARE_SUM_ROWS, np.float32)
-        task_end = min((task + 1) * _ROWS_PER_TASK, rows)
-        for group_start in range(task * _ROWS_PER_TASK, task_end, SQUARE_SUM_ROWS):
-            group = min(SQUARE_SUM_ROWS, task_end - group_start)
-            for k in range(group):  # 1. mean of the R raw keys, in token order, rounded
-                row = group_start + k
-                b, j = row // max_blocks, row % max_blocks
-                if j >= num_blocks[b]:
-                    acc[k, :] = 0.0
-                else:
-                    _pooled_mean(acc[k], keys, page_stride, base, page_size, table, b, j, ratio, inverse_ratio, out)
-            _group_inverse_rms(acc, squares, inv_rms, eps)  # 2. sums of squares in channel order
-            for k in range(group):  # 3. RMSNorm, RoPE, store
-                row = group_start + k
-                b, j = row // max_blocks, row % max_blocks
-                out_row = out[row]
-                if j >= num_blocks[b]:
-                    for d in range(dim):
-                        out_row[d] = narrow(np.float32(0.0), out)
-                else:
-                    _norm_rope_into(out_row, acc[k], inv_rms[k], scales, rotations[j, 0], rotations[j, 1])
+        first_task, end_task = claim_tasks(claimed, tasks, workers)
+        while first_task < tasks:
+            for task in range(first_task, end_task):
+                task_end = min((task + 1) * _ROWS_PER_TASK, rows)
+                for group_start in range(task * _ROWS_PER_TASK, task_end, SQUARE_SUM_ROWS):
+                    group = min(SQUARE_SUM_ROWS, task_end - group_start)
+                    for k in range(group):  # 1. mean of the R raw keys, in token order, rounded
+                        row = group_start + k
+                        b, j = row // max_blocks, row % max_blocks
+                        if j >= num_blocks[b]:
+                            acc[k, :] = 0.0
+                        else:
+                            _pooled_mean(acc[k], keys, page_stride, base, page_size, table, b, j, ratio,
+                                         inverse_ratio, out)
+                    _group_inverse_rms(acc, squares, inv_rms, eps)  # 2. sums of squares in channel order
+                    for k in range(group):  # 3. RMSNorm, RoPE, store
+                        row = group_start + k
+                        b, j = row // max_blocks, row % max_blocks
+                        out_row = out[row]
+                        if j >= num_blocks[b]:
+                            for d in range(dim):
+                                out_row[d] = narrow(np.float32(0.0), out)
+                        else:
+                            _norm_rope_into(out_row, acc[k], inv_rms[k], scales, rotations[j, 0], rotations[j, 1])
+            first_task, end_task = claim_tasks(claimed, tasks, workers)
 
 
 @numba.njit(**PARALLEL_JIT)
@@ -300,9 +309,10 @@ def qsa_compress_keys_paged(block_keys, gamma, freqs_cis, key_counts, blocks, lo
     freqs = _checked_block_sources(freqs_cis, num_blocks, blocks, lookup_table, ratio, block_keys.dtype)
     out = block_keys if block_keys.is_contiguous() else torch.empty_like(block_keys, memory_format=torch.contiguous_format)
     keys, page_stride, base = flat_plane(blocks, 0, layer)
-    with threads_for(block_keys.numel() * ratio):
+    with threads_for(block_keys.numel() * ratio) as threads:
         _compress_kernel(as_numba(out), keys, page_stride, base, blocks.shape[3], lookup_table.numpy(),
-                         num_blocks.astype(np.int32), gamma.float().contiguous().numpy(), freqs, ratio, float(eps))
+                         num_blocks.astype(np.int32), gamma.float().contiguous().numpy(), freqs, ratio, float(eps),
+                         threads)
     if out is not block_keys:
         block_keys.copy_(out)
 
