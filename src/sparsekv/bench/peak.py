@@ -23,7 +23,7 @@ import numba
 import numpy as np
 import torch
 
-from ..kernels.cpu._parallel import claim_tasks
+from ..kernels.cpu._parallel import next_task
 from ..kernels.cpu._tile_ops import KEYS_PER_TASK, tile_dots
 
 _LANES = 16  # one vector of lanes, as the score kernels' tile
@@ -33,16 +33,17 @@ _CHANNELS = 128
 @numba.njit(parallel=True, cache=True, nogil=True)
 def _run_tiles(dots, q_t, keys, calls):
     """``calls`` tile passes over the same L1-resident operands, taken by the numba threads as they go
-    (:func:`..kernels.cpu._parallel.claim_tasks`, as the score kernels do: a core slower for a while
+    (:func:`..kernels.cpu._parallel.next_task`, as the score kernels do: a core slower for a while
     does not hold the others up)."""
     threads = dots.shape[0]
     claimed = np.zeros(1, np.int64)
     for t in numba.prange(threads):
-        first, end = claim_tasks(claimed, calls, threads)
-        while first < calls:
-            for _ in range(first, end):
-                tile_dots(dots[t], q_t, keys, _LANES, KEYS_PER_TASK)
-            first, end = claim_tasks(claimed, calls, threads)
+        own_run = np.zeros(2, np.int64)  # this worker's claimed run: [next task, end]
+        while True:
+            call = next_task(claimed, own_run, calls, threads)
+            if call < 0:
+                break
+            tile_dots(dots[t], q_t, keys, _LANES, KEYS_PER_TASK)
 
 
 def _operands(dtype: torch.dtype):

@@ -33,7 +33,7 @@ import torch
 from ._bits import as_numba
 from ._pages import first_missing_page
 from ._paged_rows import flat_plane
-from ._parallel import claim_tasks, threads_for
+from ._parallel import next_task, threads_for
 from ._score_tasks import plan_score_tasks, row_group, score_task, write_group_scores
 from ._tile_ir import KEYS_PER_TILE
 from ._tile_ops import KEYS_PER_TASK, dots_of_rows, new_scratch, prefetch_span
@@ -118,33 +118,34 @@ def _paged_score_kernel(scores, q, head_weights, cache, page_stride, base, per_p
         work = np.empty((group_lanes, KEYS_PER_TASK + KEYS_PER_TILE), np.float32)
         # a group's rows (at most group_rows) first; the register epilogue reads up to lanes // heads rows
         group_weights = np.zeros((max(group_rows, group_lanes), heads), np.float32)
-        first_task, end_task = claim_tasks(claimed, tasks, workers)
-        while first_task < tasks:
-            for task in range(first_task, end_task):
-                b, first_row, end_row, key0, chunk = score_task(task, task_starts, group_starts, num_keys, offsets)
-                for r0 in range(first_row, end_row, group_rows):
-                    r1, needed, lanes = row_group(r0, end_row, group_rows, visible, key0, chunk, heads)
-                    if needed <= 0:
-                        continue
-                    group_q = q_t[group_starts[b] + (r0 - first_row) // group_rows]
-                    column = 0
-                    while column < needed:  # page by page: a page's keys are consecutive rows
-                        key = key0 + column
-                        slot = key % per_page
-                        run = min(per_page - slot, needed - column)
-                        start = table[b, key // per_page] * page_stride + base + slot * dim
-                        _prefetch_ahead(cache, table, b, key + run, num_keys[b], page_stride, base, per_page, dim)
-                        dots_of_rows(dots[column:], group_q, cache[start : start + run * dim].reshape((run, dim)),
-                                     lanes, scratch)
-                        column += run
-                    if head_weights is None:
-                        write_group_scores(scores, dots, work, r0, r1, key0, chunk, needed, visible, lanes, heads,
-                                           None, divisor)
-                    else:
-                        group_weights[: r1 - r0] = head_weights[r0:r1]
-                        write_group_scores(scores, dots, work, r0, r1, key0, chunk, needed, visible, lanes, heads,
-                                           group_weights, divisor)
-            first_task, end_task = claim_tasks(claimed, tasks, workers)
+        own_run = np.zeros(2, np.int64)  # this worker's claimed run: [next task, end]
+        while True:
+            task = next_task(claimed, own_run, tasks, workers)
+            if task < 0:
+                break
+            b, first_row, end_row, key0, chunk = score_task(task, task_starts, group_starts, num_keys, offsets)
+            for r0 in range(first_row, end_row, group_rows):
+                r1, needed, lanes = row_group(r0, end_row, group_rows, visible, key0, chunk, heads)
+                if needed <= 0:
+                    continue
+                group_q = q_t[group_starts[b] + (r0 - first_row) // group_rows]
+                column = 0
+                while column < needed:  # page by page: a page's keys are consecutive rows
+                    key = key0 + column
+                    slot = key % per_page
+                    run = min(per_page - slot, needed - column)
+                    start = table[b, key // per_page] * page_stride + base + slot * dim
+                    _prefetch_ahead(cache, table, b, key + run, num_keys[b], page_stride, base, per_page, dim)
+                    dots_of_rows(dots[column:], group_q, cache[start : start + run * dim].reshape((run, dim)),
+                                 lanes, scratch)
+                    column += run
+                if head_weights is None:
+                    write_group_scores(scores, dots, work, r0, r1, key0, chunk, needed, visible, lanes, heads,
+                                       None, divisor)
+                else:
+                    group_weights[: r1 - r0] = head_weights[r0:r1]
+                    write_group_scores(scores, dots, work, r0, r1, key0, chunk, needed, visible, lanes, heads,
+                                       group_weights, divisor)
     return np.int64(-1), np.int64(-1)
 
 

@@ -383,9 +383,34 @@ def claim_tasks(counter, tasks, workers):
     keep each worker's keys in long streams; every task is one worker's, so results do not depend on who
     runs it.
 
-    Example: ``for worker in prange(workers)``: ``first, end = claim_tasks(counter, tasks, workers)``, then
-    ``while first < tasks:`` run ``range(first, end)`` and claim again.
+    A kernel takes its tasks one by one through :func:`next_task`.
     """
     grain = max(1, (tasks - _load_relaxed(counter)) // (2 * workers))
     first = _fetch_add(counter, grain)
     return first, min(first + grain, tasks)
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def next_task(counter, own_run, tasks, workers):
+    """The next of ``tasks`` this worker runs, ``-1`` when none is left: the next of its current run ``own_run``
+    (int64 ``[2]``, ``[next, end]``, zeros before the first call; the worker's own), else the first of a new
+    run :func:`claim_tasks` takes from ``counter``.
+
+    Example, each worker with its own scratch::
+
+        claimed = np.zeros(1, np.int64)
+        for worker in prange(workers):
+            own_run = np.zeros(2, np.int64)
+            while True:
+                task = next_task(claimed, own_run, tasks, workers)
+                if task < 0:
+                    break
+                ...
+    """
+    if own_run[0] >= own_run[1]:
+        own_run[0], own_run[1] = claim_tasks(counter, tasks, workers)
+        if own_run[0] >= tasks:
+            return -1
+    task = own_run[0]
+    own_run[0] += 1
+    return task

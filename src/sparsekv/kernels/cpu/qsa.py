@@ -81,7 +81,7 @@ from ._tile_ops import KEYS_PER_TASK, dots_of_rows, new_scratch, square_sums_in_
 from ._pages import first_missing_page
 from ._paged_rows import flat_plane
 from ._paged_score import PagedScorePlan
-from ._parallel import PARALLEL_JIT, claim_tasks, threads_for
+from ._parallel import PARALLEL_JIT, next_task, threads_for
 from ._sparse_attend import sparse_attention
 
 _ROWS_PER_TASK = 64  # block-key rows per compress task (groups of SQUARE_SUM_ROWS: their RMSNorm sums run at once)
@@ -194,31 +194,32 @@ def _compress_kernel(out, keys, page_stride, base, page_size, table, num_blocks,
         acc = np.empty((SQUARE_SUM_ROWS, dim), np.float32)
         squares = np.empty(SQUARE_SUM_ROWS, np.float32)
         inv_rms = np.empty(SQUARE_SUM_ROWS, np.float32)
-        first_task, end_task = claim_tasks(claimed, tasks, workers)
-        while first_task < tasks:
-            for task in range(first_task, end_task):
-                task_end = min((task + 1) * _ROWS_PER_TASK, rows)
-                for group_start in range(task * _ROWS_PER_TASK, task_end, SQUARE_SUM_ROWS):
-                    group = min(SQUARE_SUM_ROWS, task_end - group_start)
-                    for k in range(group):  # 1. mean of the R raw keys, in token order, rounded
-                        row = group_start + k
-                        b, j = row // max_blocks, row % max_blocks
-                        if j >= num_blocks[b]:
-                            acc[k, :] = 0.0
-                        else:
-                            _pooled_mean(acc[k], keys, page_stride, base, page_size, table, b, j, ratio,
-                                         inverse_ratio, out)
-                    _group_inverse_rms(acc, squares, inv_rms, eps)  # 2. sums of squares in channel order
-                    for k in range(group):  # 3. RMSNorm, RoPE, store
-                        row = group_start + k
-                        b, j = row // max_blocks, row % max_blocks
-                        out_row = out[row]
-                        if j >= num_blocks[b]:
-                            for d in range(dim):
-                                out_row[d] = narrow(np.float32(0.0), out)
-                        else:
-                            _norm_rope_into(out_row, acc[k], inv_rms[k], scales, rotations[j, 0], rotations[j, 1])
-            first_task, end_task = claim_tasks(claimed, tasks, workers)
+        own_run = np.zeros(2, np.int64)  # this worker's claimed run: [next task, end]
+        while True:
+            task = next_task(claimed, own_run, tasks, workers)
+            if task < 0:
+                break
+            task_end = min((task + 1) * _ROWS_PER_TASK, rows)
+            for group_start in range(task * _ROWS_PER_TASK, task_end, SQUARE_SUM_ROWS):
+                group = min(SQUARE_SUM_ROWS, task_end - group_start)
+                for k in range(group):  # 1. mean of the R raw keys, in token order, rounded
+                    row = group_start + k
+                    b, j = row // max_blocks, row % max_blocks
+                    if j >= num_blocks[b]:
+                        acc[k, :] = 0.0
+                    else:
+                        _pooled_mean(acc[k], keys, page_stride, base, page_size, table, b, j, ratio,
+                                     inverse_ratio, out)
+                _group_inverse_rms(acc, squares, inv_rms, eps)  # 2. sums of squares in channel order
+                for k in range(group):  # 3. RMSNorm, RoPE, store
+                    row = group_start + k
+                    b, j = row // max_blocks, row % max_blocks
+                    out_row = out[row]
+                    if j >= num_blocks[b]:
+                        for d in range(dim):
+                            out_row[d] = narrow(np.float32(0.0), out)
+                    else:
+                        _norm_rope_into(out_row, acc[k], inv_rms[k], scales, rotations[j, 0], rotations[j, 1])
 
 
 @numba.njit(**PARALLEL_JIT)
@@ -383,20 +384,21 @@ def _block_score_kernel(scores, q, keys, offsets, positions, ratio, max_blocks, 
         scratch = new_scratch(keys, dim)
         dots = np.empty((KEYS_PER_TASK + KEYS_PER_TILE, group_lanes), np.float32)
         work = np.empty((group_lanes, KEYS_PER_TASK + KEYS_PER_TILE), np.float32)
-        first_task, end_task = claim_tasks(claimed, tasks, workers)
-        while first_task < tasks:
-            for task in range(first_task, end_task):
-                b, first_row, end_row, g0, chunk = score_task(task, task_starts, group_starts, num_keys, offsets)
-                rows = keys[b * max_blocks + g0 : b * max_blocks + g0 + chunk]
-                for r0 in range(first_row, end_row, group_rows):
-                    r1, needed, lanes = row_group(r0, end_row, group_rows, visible, g0, chunk, heads)
-                    if needed <= 0:
-                        continue
-                    dots_of_rows(dots, q_t[group_starts[b] + (r0 - first_row) // group_rows], rows[:needed], lanes,
-                                 scratch)
-                    write_group_scores(scores, dots, work, r0, r1, g0, chunk, needed, visible, lanes, heads, None,
-                                       divisor)
-            first_task, end_task = claim_tasks(claimed, tasks, workers)
+        own_run = np.zeros(2, np.int64)  # this worker's claimed run: [next task, end]
+        while True:
+            task = next_task(claimed, own_run, tasks, workers)
+            if task < 0:
+                break
+            b, first_row, end_row, g0, chunk = score_task(task, task_starts, group_starts, num_keys, offsets)
+            rows = keys[b * max_blocks + g0 : b * max_blocks + g0 + chunk]
+            for r0 in range(first_row, end_row, group_rows):
+                r1, needed, lanes = row_group(r0, end_row, group_rows, visible, g0, chunk, heads)
+                if needed <= 0:
+                    continue
+                dots_of_rows(dots, q_t[group_starts[b] + (r0 - first_row) // group_rows], rows[:needed], lanes,
+                             scratch)
+                write_group_scores(scores, dots, work, r0, r1, g0, chunk, needed, visible, lanes, heads, None,
+                                   divisor)
 
 
 def qsa_block_score(scores, q, block_keys, query_positions, input_row_offsets, ratio, score_scale):
