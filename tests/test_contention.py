@@ -68,6 +68,25 @@ def test_numba_threads_follows_the_policy(monkeypatch):
     assert policy.allow_parallel(0.0)
 
 
+def test_numba_threads_restores_a_count_set_after_it_was_last_read(monkeypatch):
+    """A block that runs on fewer threads restores numba's count as it is then, not the count it trusted."""
+    monkeypatch.setattr(_parallel, "CONTENTION", ContentionPolicy())
+    available = numba.get_num_threads()
+    if available < 2:
+        pytest.skip("needs two numba threads")
+    try:
+        with numba_threads(available):  # reads the count and trusts it for a while
+            pass
+        numba.set_num_threads(available - 1)
+        with numba_threads(1) as threads:
+            assert threads == 1 and numba.get_num_threads() == 1
+        assert numba.get_num_threads() == available - 1
+        with numba_threads(available) as threads:  # the count it restored is the one it trusts
+            assert threads == available - 1
+    finally:
+        numba.set_num_threads(available)
+
+
 @pytest.mark.parametrize("fail", [False, True])
 def test_busy_processes_run_for_the_block_and_are_stopped_after(fail):
     from sparsekv.bench.common import busy_processes, format_table

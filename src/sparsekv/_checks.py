@@ -42,22 +42,28 @@ def check_tensor(
     """
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+    got = value.shape
     if shape is not None:
-        ndim = len(shape)
-    if ndim is not None and value.dim() != ndim:
-        raise ValueError(f"{name}: expected a {ndim}-d tensor, got shape {tuple(value.shape)}")
-    if shape is not None:
-        for axis, (want, got) in enumerate(zip(shape, value.shape)):
-            if want is not None and want != got:
-                pretty = tuple("*" if s is None else s for s in shape)
-                raise ValueError(
-                    f"{name}: expected shape {pretty}, got {tuple(value.shape)} (axis {axis})"
-                )
+        if got != shape:  # a torch.Size equals a tuple of the same sizes; ``None`` entries fall through here
+            _check_shape(name, got, shape)
+    elif ndim is not None and len(got) != ndim:
+        raise ValueError(f"{name}: expected a {ndim}-d tensor, got shape {tuple(got)}")
     if dtypes is not None and value.dtype not in dtypes:
         raise TypeError(f"{name}: expected dtype in ({_dtype_names(dtypes)}), got {value.dtype}")
     if device is not None and value.device != device:
         raise ValueError(f"{name}: expected a tensor on {device}, got one on {value.device}")
     return value
+
+
+def _check_shape(name: str, got: torch.Size, shape: Sequence[int | None]) -> None:
+    """Raise ``ValueError`` unless ``got`` has ``len(shape)`` sizes, each equal to ``shape``'s where that is not
+    ``None``."""
+    if len(got) != len(shape):
+        raise ValueError(f"{name}: expected a {len(shape)}-d tensor, got shape {tuple(got)}")
+    for axis, (want, size) in enumerate(zip(shape, got)):
+        if want is not None and want != size:
+            pretty = tuple("*" if s is None else s for s in shape)
+            raise ValueError(f"{name}: expected shape {pretty}, got {tuple(got)} (axis {axis})")
 
 
 def check_same_dtype(names: Sequence[str], *tensors: torch.Tensor) -> None:

@@ -29,8 +29,9 @@ from typing import NamedTuple
 import numba
 import numpy as np
 import torch
+from numba.extending import overload
 
-from ._bits import as_numba
+from ._bits import array_at, as_numba
 from ._pages import first_missing_page
 from ._paged_rows import flat_plane
 from ._parallel import next_task, threads_for
@@ -149,6 +150,30 @@ def _paged_score_kernel(scores, q, head_weights, cache, page_stride, base, per_p
     return np.int64(-1), np.int64(-1)
 
 
+def _weights_at(address, rows, heads):
+    """``None`` for ``address`` ``None``, else :func:`._bits.array_at` float32 ``[rows, heads]`` (numba only)."""
+    raise NotImplementedError
+
+
+@overload(_weights_at, inline="always")
+def _weights_at_overload(address, rows, heads):
+    if isinstance(address, (numba.types.NoneType, numba.types.Omitted)):
+        return lambda address, rows, heads: None
+    return lambda address, rows, heads: array_at(address, (rows, heads), np.float32)
+
+
+@numba.njit(cache=True, nogil=True)
+def _paged_scores_at(scores_at, q_at, weights_at, total_q, heads, dim, out_cols, cache, page_stride, base, per_page,
+                     num_pages, table, visible, seq_keys, offsets, divisor, threads):
+    """:func:`_paged_score_kernel` over tensors given by address (:func:`._bits.array_at`; each C-contiguous):
+    ``scores_at`` float32 ``[total_q, out_cols]``, ``q_at`` ``[total_q, heads, dim]`` of ``cache``'s element
+    type, ``weights_at`` float32 ``[total_q, heads]`` or ``None``."""
+    return _paged_score_kernel(array_at(scores_at, (total_q, out_cols), np.float32),
+                               array_at(q_at, (total_q, heads, dim), cache),
+                               _weights_at(weights_at, total_q, heads), cache, page_stride, base, per_page, num_pages,
+                               table, visible, seq_keys, offsets, divisor, threads)
+
+
 class PagedKeys(NamedTuple):
     """A paged key cache as :func:`_paged_score_kernel` reads it: plane 0 of layer ``layer`` starts at
     ``cache[n*page_stride + base + layer*layer_span]`` in page ``n``, ``per_page`` keys a page."""
@@ -186,7 +211,7 @@ class PagedScorePlan:
     it.
     """
 
-    __slots__ = ("lookup_table", "table", "positions", "offsets", "ratio", "divisor", "keys", "visible",
+    __slots__ = ("lookup_table", "table", "positions", "offsets", "ratio", "divisor", "keys", "key_dtype", "visible",
                  "seq_keys", "total_visible")
 
     def __init__(self, blocks: torch.Tensor, lookup_table: torch.Tensor, query_positions: torch.Tensor,
@@ -194,7 +219,7 @@ class PagedScorePlan:
         self.lookup_table, self.table = lookup_table, lookup_table.numpy()
         self.positions, self.offsets = query_positions.numpy(), input_row_offsets.numpy()
         self.ratio, self.divisor = ratio, divisor
-        self.keys = paged_keys(blocks)
+        self.keys, self.key_dtype = paged_keys(blocks), blocks.dtype
         self.visible, self.seq_keys, self.total_visible = visible_keys(self.positions, self.offsets, ratio, out_cols)
         seq, key = first_missing_page(self.table, self.keys.num_pages, self.keys.per_page, self.seq_keys)
         if seq >= 0:
@@ -204,18 +229,29 @@ class PagedScorePlan:
         """The error for key ``key`` of sequence ``seq``, which a row sees, without a valid page."""
         raise NotImplementedError
 
-    def run_scores(self, scores: torch.Tensor, q: torch.Tensor, head_weights: np.ndarray | None, layer: int) -> None:
-        """The scores of ``layer`` into ``scores [total_q, out_cols]`` (the rows' pages checked first, nothing
-        written when one is missing)."""
+    def run_scores(self, scores: torch.Tensor, q: torch.Tensor, head_weights: torch.Tensor | None, layer: int) -> None:
+        """The scores of ``layer`` into ``scores [total_q, out_cols]`` float32 (the rows' pages checked first,
+        nothing written when one is missing); ``q [total_q, heads, D]`` in the keys' dtype, ``head_weights``
+        float32 ``[total_q, heads]`` or ``None``."""
         if scores.shape[0] == 0:
             return
+        if q.dtype != self.key_dtype:  # the kernel reads q's memory as the keys' elements
+            raise TypeError(f"q: expected the keys' dtype {self.key_dtype}, got {q.dtype}")
         keys = self.keys
         target = scores if scores.is_contiguous() else torch.empty_like(scores, memory_format=torch.contiguous_format)
-        with threads_for(self.total_visible * q.shape[1] * q.shape[2]) as threads:
-            seq, key = _paged_score_kernel(target.numpy(), as_numba(q.contiguous()), head_weights, keys.cache,
-                                           keys.page_stride, keys.base + layer * keys.layer_span, keys.per_page,
-                                           keys.num_pages, self.table, self.visible, self.seq_keys, self.offsets,
-                                           np.float32(self.divisor), threads)
+        q = q.contiguous()
+        total_q, heads, dim = q.shape
+        weights_at = None
+        if head_weights is not None:
+            if head_weights.dtype != torch.float32 or head_weights.shape != (total_q, heads):
+                raise ValueError(f"head_weights: expected float32 [{total_q}, {heads}], got {head_weights.dtype} "
+                                 f"{list(head_weights.shape)}")
+            weights_at = head_weights.contiguous().data_ptr()
+        with threads_for(self.total_visible * heads * dim) as threads:
+            seq, key = _paged_scores_at(target.data_ptr(), q.data_ptr(), weights_at, total_q, heads, dim,
+                                        target.shape[1], keys.cache, keys.page_stride, keys.base + layer * keys.layer_span,
+                                        keys.per_page, keys.num_pages, self.table, self.visible, self.seq_keys,
+                                        self.offsets, np.float32(self.divisor), threads)
         if seq >= 0:
             raise self.page_error(seq, key)
         if target is not scores:

@@ -49,6 +49,7 @@ thread per 1024 pools.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable
 
@@ -278,13 +279,31 @@ CONTENTION = ContentionPolicy(torch_threads=True, cores_taken=cores_taken_now, m
 contention is a property of the machine, so what one kernel sees applies to all."""
 
 
+THREAD_COUNT_TTL = 0.05
+"""Seconds for which :class:`numba_threads` trusts the numba thread count it last read on a thread: the read
+itself measured 3-7% of a 0.3 ms decode score call (its code is cold after a kernel), while numba's count
+changes only through ``numba.set_num_threads``, which the blocks' own changes also update. A count that a
+user changed meanwhile only changes how many workers a kernel splits its tasks over, never its results."""
+
+
+class _KnownThreadCount(threading.local):
+    """numba's thread count on this thread (``count``) and until when it is trusted (``until``)."""
+
+    count = 0
+    until = float("-inf")
+
+
+_KNOWN_THREADS = _KnownThreadCount()
+
+
 class numba_threads:  # noqa: N801 - used like a function: ``with numba_threads(n):``
     """Run numba's parallel loops inside the block on ``count`` threads, clamped to 1 .. numba's current count.
 
     Asking for more than one thread is a request: while :data:`CONTENTION` sees the cores taken by other
     work, the block runs on one thread, and a block that does run on several is timed and judged.
-    ``with numba_threads(n) as threads:`` gives the count the block runs on.
-    (Each ``numba.get_num_threads()`` costs ~3 us, so it is asked once per block.)"""
+    ``with numba_threads(n) as threads:`` gives the count the block runs on. numba's count is read afresh
+    wherever the block changes it (it restores what it read), else at most every :data:`THREAD_COUNT_TTL`
+    seconds."""
 
     __slots__ = ("requested", "threads", "available", "cpu_start", "wall_start")
 
@@ -292,13 +311,22 @@ class numba_threads:  # noqa: N801 - used like a function: ``with numba_threads(
         self.requested = count
 
     def __enter__(self) -> int:
-        self.available = available = numba.get_num_threads()
+        now = time.perf_counter()
+        known = _KNOWN_THREADS
+        if now >= known.until:
+            known.count, known.until = numba.get_num_threads(), now + THREAD_COUNT_TTL
+        available = known.count
         count = max(1, min(available, self.requested))
-        if count > 1 and not CONTENTION.allow_parallel(time.perf_counter(), count):
+        if count > 1 and not CONTENTION.allow_parallel(now, count):
             count = 1
-        self.threads = count
         if count != available:
-            numba.set_num_threads(count)
+            available = known.count = numba.get_num_threads()
+            known.until = now + THREAD_COUNT_TTL
+            count = min(count, available)
+            if count != available:
+                numba.set_num_threads(count)
+                known.count = count
+        self.threads, self.available = count, available
         if count > 1:
             self.cpu_start = time.process_time()
             self.wall_start = time.perf_counter()
@@ -310,6 +338,7 @@ class numba_threads:  # noqa: N801 - used like a function: ``with numba_threads(
             CONTENTION.record(self.threads, now - self.wall_start, time.process_time() - self.cpu_start, now)
         if self.threads != self.available:
             numba.set_num_threads(self.available)
+            _KNOWN_THREADS.count = self.available
 
 
 def threads_for(work: int) -> numba_threads:

@@ -303,7 +303,7 @@ class ScorePlan(PagedScorePlan):
         """:func:`mla_kpool_score` of ``layer`` into ``scores [total_q, out_cols]``."""
         if head_weights.dtype != torch.float32:  # a torch op even where there is nothing to convert
             head_weights = head_weights.float()
-        self.run_scores(scores, q, head_weights.contiguous().numpy(), layer)
+        self.run_scores(scores, q, head_weights, layer)
 
 
 def mla_kpool_score(scores, q, head_weights, pooled_blocks, lookup_table, query_positions, input_row_offsets,
