@@ -74,7 +74,7 @@ from numba import prange
 
 from ..._checks import check_freqs_cis_rows
 from ...cache.layout import page_error
-from ._bits import as_numba, copy_row, narrow, widen
+from ._bits import array_at, as_numba, copy_row, narrow, numba_dtype, widen
 from ._score_tasks import plan_score_tasks, row_group, score_task, write_group_scores
 from ._tile_ir import KEYS_PER_TILE, SQUARE_SUM_ROWS
 from ._tile_ops import KEYS_PER_TASK, dots_of_rows, new_scratch, square_sums_in_order
@@ -401,15 +401,34 @@ def _block_score_kernel(scores, q, keys, offsets, positions, ratio, max_blocks, 
                                    divisor)
 
 
+@numba.njit(cache=True, nogil=True)
+def _block_scores_at(scores_at, q_at, keys_at, offsets_at, positions_at, total_q, heads, dim, out_cols, key_rows,
+                     batch, element, ratio, max_blocks, scale, threads):
+    """:func:`_block_score_kernel` over tensors given by address (:func:`._bits.array_at`; each C-contiguous):
+    float32 ``scores [total_q, out_cols]``, ``q [total_q, heads, dim]`` and ``keys [key_rows, dim]`` of
+    ``element`` (:func:`._bits.numba_dtype`), int32 ``offsets [batch + 1]`` and ``positions [total_q]``."""
+    _block_score_kernel(array_at(scores_at, (total_q, out_cols), np.float32),
+                        array_at(q_at, (total_q, heads, dim), element),
+                        array_at(keys_at, (key_rows, dim), element),
+                        array_at(offsets_at, (batch + 1,), np.int32), array_at(positions_at, (total_q,), np.int32),
+                        ratio, max_blocks, scale, threads)
+
+
 def qsa_block_score(scores, q, block_keys, query_positions, input_row_offsets, ratio, score_scale):
-    """Same contract as :func:`sparsekv.kernels.reference.qsa.qsa_block_score`."""
+    """Same contract as :func:`sparsekv.kernels.reference.qsa.qsa_block_score` (int32 positions and offsets)."""
     batch = input_row_offsets.shape[0] - 1
     max_blocks = block_keys.shape[0] // batch
     out = scores if scores.is_contiguous() else torch.empty_like(scores, memory_format=torch.contiguous_format)
-    with threads_for(q.shape[0] * max_blocks * q.shape[1] * q.shape[2]) as threads:
-        _block_score_kernel(out.numpy(), as_numba(q.contiguous()), as_numba(block_keys.contiguous()),
-                            input_row_offsets.numpy(), query_positions.numpy(), ratio, max_blocks, float(score_scale),
-                            threads)
+    q, block_keys = q.contiguous(), block_keys.contiguous()
+    positions, offsets = query_positions.contiguous(), input_row_offsets.contiguous()
+    if q.dtype != block_keys.dtype or positions.dtype != torch.int32 or offsets.dtype != torch.int32:
+        raise TypeError(f"qsa_block_score: expected q and block_keys of one dtype and int32 positions and offsets, "
+                        f"got {q.dtype}, {block_keys.dtype}, {positions.dtype}, {offsets.dtype}")
+    total_q, heads, dim = q.shape
+    with threads_for(total_q * max_blocks * heads * dim) as threads:
+        _block_scores_at(out.data_ptr(), q.data_ptr(), block_keys.data_ptr(), offsets.data_ptr(), positions.data_ptr(),
+                         total_q, heads, dim, out.shape[1], block_keys.shape[0], batch, numba_dtype(q.dtype), ratio,
+                         max_blocks, float(score_scale), threads)
     if out is not scores:
         scores.copy_(out)
 
