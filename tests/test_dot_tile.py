@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from sparsekv.kernels.cpu import _tile_ir
-from sparsekv.kernels.cpu._bits import as_numba
+from sparsekv.kernels.cpu._bits import array_at, as_numba, numba_dtype
 from sparsekv.kernels.cpu._score_tasks import keys_seen, relu_sums, task_in_order, write_group_scores
 from sparsekv.kernels.cpu._tile_ir import (KEYS_PER_TILE, SQUARE_SUM_ROWS, VECTOR, WEIGHTED_CHANNELS, WEIGHTED_HEADS,
                                           _check_llvmlite_for_bfloat, _target_has_bf16_dot)
@@ -384,3 +384,15 @@ def test_square_sums_run_over_the_channels_in_order_for_every_row(dim):
     if dim >= 64:  # the test can tell the order apart
         pairwise = np.array([np.float32(np.sum(r * r, dtype=np.float32)) for r in rows])
         assert not np.array_equal(pairwise, want)
+
+
+@numba.njit(cache=True)
+def _copy_at(address, rows, cols, element):
+    return array_at(address, (rows, cols), element).copy()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_a_tensor_by_address_reads_as_its_numpy_view(dtype):
+    t = torch.randn(4, 32).to(dtype)[1:]  # contiguous, not at its storage's start
+    got = _copy_at(t.data_ptr(), t.shape[0], t.shape[1], numba_dtype(dtype))
+    assert got.dtype == as_numba(t).dtype and np.array_equal(got, as_numba(t))

@@ -254,11 +254,12 @@ def _pointer_to(typingctx, address, like):
 @numba.njit(cache=True, nogil=True, inline="always")
 def array_at(address, shape, like):
     """The C-contiguous array of ``shape`` (a tuple) at ``address``, elements like ``like``'s (an array, a numpy
-    dtype such as :func:`numba_dtype`'s, or a number class such as ``np.float32``), numba only: a kernel takes a tensor as ``t.data_ptr()`` and its
-    shape instead of a numpy view (:func:`as_numba`), whose making (``Tensor.numpy()``, and ``Tensor.view``
-    for 16-bit floats) measured 4-5% of a 0.3 ms decode score call, its code cold after a kernel. The
-    caller passes a C-contiguous tensor's own shape, kept alive for the call, with elements of the type
-    ``like`` names (bf16 as ``uint16`` bits, fp16 as ``int16``, as :func:`as_numba`)."""
+    dtype such as :func:`numba_dtype`'s, or a number class such as ``np.float32``), numba only: a kernel takes
+    a tensor as ``t.data_ptr()`` and its shape instead of a numpy view (:func:`as_numba`), whose making
+    (``Tensor.numpy()``, and ``Tensor.view`` for 16-bit floats) measured 4-5% of a 0.3 ms decode score call,
+    its code cold after a kernel. The caller passes a C-contiguous tensor's own shape, kept alive for the
+    call, with elements of the type ``like`` names (bf16 as ``uint16`` bits, fp16 as ``int16``, as
+    :func:`as_numba`)."""
     return numba.carray(_pointer_to(address, like), shape)
 
 

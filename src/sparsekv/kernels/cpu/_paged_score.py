@@ -249,9 +249,10 @@ class PagedScorePlan:
             weights_at = head_weights.contiguous().data_ptr()
         with threads_for(self.total_visible * heads * dim) as threads:
             seq, key = _paged_scores_at(target.data_ptr(), q.data_ptr(), weights_at, total_q, heads, dim,
-                                        target.shape[1], keys.cache, keys.page_stride, keys.base + layer * keys.layer_span,
-                                        keys.per_page, keys.num_pages, self.table, self.visible, self.seq_keys,
-                                        self.offsets, np.float32(self.divisor), threads)
+                                        target.shape[1], keys.cache, keys.page_stride,
+                                        keys.base + layer * keys.layer_span, keys.per_page, keys.num_pages,
+                                        self.table, self.visible, self.seq_keys, self.offsets,
+                                        np.float32(self.divisor), threads)
         if seq >= 0:
             raise self.page_error(seq, key)
         if target is not scores:
