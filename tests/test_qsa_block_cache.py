@@ -3,6 +3,7 @@ the reference, and their errors (nothing written by a call that raises)."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
@@ -79,6 +80,30 @@ def test_store_then_load_equals_compress_on_cpu_and_reference(dtype, seed):
                 got = torch.full_like(want, float("nan"))
                 backend.qsa_load_block_keys_paged(got, counts, full, table, layer, ratio)
                 assert same_bits(got, want), (backend.__name__, cut)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_cpu_store_bits_do_not_depend_on_the_worker_count(dtype, seed, monkeypatch):
+    """The store kernel's 64-block tasks taken as they go by 1, 2 or 5 workers (more than the threads there are):
+    the reference's bits each time, from random first blocks on."""
+    rng = random.Random(seed)
+    ratio, per_page, dim = 2, 4, rng.choice([24, 128])
+    key_counts = [rng.randrange(1000, 1500) for _ in range(3)]  # runs of several tasks each
+    histories = [torch.randn(n, 1, dim).to(dtype) for n in key_counts]
+    blocks, table = build_paged_cache(histories, page_size=ratio * per_page, num_layers=1, layer=0, stride_pad=0,
+                                      rng=rng)
+    block_blocks = torch.full((blocks.shape[0], 1, 1, per_page, 1, dim), float("nan"), dtype=dtype)
+    gamma, freqs = torch.randn(dim) * 0.3, rope_freqs_cis(max(key_counts) + 1, dim, theta=1e4)
+    counts = torch.tensor(key_counts, dtype=torch.int32)
+    first = torch.tensor([rng.randrange(n // ratio // 2) for n in key_counts], dtype=torch.int32)
+    most = max(n // ratio for n in key_counts)
+    want = block_blocks.clone()
+    ref_qsa.qsa_store_block_keys_paged(want, gamma, freqs, counts, first, blocks, table, 0, ratio, 1e-6, most)
+    for workers in (1, 2, 5):
+        monkeypatch.setattr(cpu_qsa, "threads_for", lambda work, n=workers: contextlib.nullcontext(n))
+        got = block_blocks.clone()
+        cpu_qsa.qsa_store_block_keys_paged(got, gamma, freqs, counts, first, blocks, table, 0, ratio, 1e-6, most)
+        assert same_bits(got, want), f"{workers} workers"
 
 
 @settings(max_examples=25, deadline=None)

@@ -224,11 +224,12 @@ def _compress_kernel(out, keys, page_stride, base, page_size, table, num_blocks,
 
 @numba.njit(**PARALLEL_JIT)
 def _store_blocks_kernel(target, target_stride, target_base, blocks_per_page, keys, page_stride, base, page_size,
-                         table, first_blocks, num_blocks, gamma, freqs, ratio, eps):
+                         table, first_blocks, num_blocks, gamma, freqs, ratio, eps, threads):
     """Blocks ``first_blocks[b] .. num_blocks[b] - 1`` of each sequence ``b``, pooled as in
     :func:`_compress_kernel`, block ``j`` written to row ``j % blocks_per_page`` of page ``table[b, j //
     blocks_per_page]`` of ``target`` (a flat block-key cache: ``target_stride`` per page, its layer from
-    ``target_base``). ``first_blocks <= num_blocks``."""
+    ``target_base``). ``first_blocks <= num_blocks``. ``threads`` workers take the tasks of ``_ROWS_PER_TASK``
+    new blocks in runs as they go (:func:`._parallel.next_task`), each with one set of scratch."""
     batch = num_blocks.shape[0]
     dim = gamma.shape[0]
     half = freqs.shape[1] // 2
@@ -239,28 +240,36 @@ def _store_blocks_kernel(target, target_stride, target_base, blocks_per_page, ke
     scales = _norm_scales(gamma)
     inverse_ratio = _inverse_ratio(ratio)
     tasks = (rows + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK
-    for task in prange(tasks):
+    workers = max(1, min(threads, tasks))
+    claimed = np.zeros(1, np.int64)
+    for worker in prange(workers):
         acc = np.empty((SQUARE_SUM_ROWS, dim), np.float32)
         squares = np.empty(SQUARE_SUM_ROWS, np.float32)
         inv_rms = np.empty(SQUARE_SUM_ROWS, np.float32)
         cosines = np.empty(half, np.float32)
         sines = np.empty(half, np.float32)
-        task_end = min((task + 1) * _ROWS_PER_TASK, rows)
-        for group_start in range(task * _ROWS_PER_TASK, task_end, SQUARE_SUM_ROWS):
-            group = min(SQUARE_SUM_ROWS, task_end - group_start)
-            for k in range(group):
-                row = group_start + k
-                b = np.searchsorted(row_starts, row, side="right") - 1
-                j = first_blocks[b] + row - row_starts[b]
-                _pooled_mean(acc[k], keys, page_stride, base, page_size, table, b, j, ratio, inverse_ratio, target)
-            _group_inverse_rms(acc, squares, inv_rms, eps)
-            for k in range(group):
-                row = group_start + k
-                b = np.searchsorted(row_starts, row, side="right") - 1
-                j = first_blocks[b] + row - row_starts[b]
-                _rounded_rotation(cosines, sines, freqs[j * ratio], target)
-                start = table[b, j // blocks_per_page] * target_stride + target_base + j % blocks_per_page * dim
-                _norm_rope_into(target[start : start + dim], acc[k], inv_rms[k], scales, cosines, sines)
+        own_run = np.zeros(2, np.int64)  # this worker's claimed run: [next task, end]
+        while True:
+            task = next_task(claimed, own_run, tasks, workers)
+            if task < 0:
+                break
+            task_end = min((task + 1) * _ROWS_PER_TASK, rows)
+            for group_start in range(task * _ROWS_PER_TASK, task_end, SQUARE_SUM_ROWS):
+                group = min(SQUARE_SUM_ROWS, task_end - group_start)
+                for k in range(group):
+                    row = group_start + k
+                    b = np.searchsorted(row_starts, row, side="right") - 1
+                    j = first_blocks[b] + row - row_starts[b]
+                    _pooled_mean(acc[k], keys, page_stride, base, page_size, table, b, j, ratio, inverse_ratio,
+                                 target)
+                _group_inverse_rms(acc, squares, inv_rms, eps)
+                for k in range(group):
+                    row = group_start + k
+                    b = np.searchsorted(row_starts, row, side="right") - 1
+                    j = first_blocks[b] + row - row_starts[b]
+                    _rounded_rotation(cosines, sines, freqs[j * ratio], target)
+                    start = table[b, j // blocks_per_page] * target_stride + target_base + j % blocks_per_page * dim
+                    _norm_rope_into(target[start : start + dim], acc[k], inv_rms[k], scales, cosines, sines)
 
 
 @numba.njit(**PARALLEL_JIT)
@@ -331,10 +340,10 @@ def qsa_store_block_keys_paged(block_blocks, gamma, freqs_cis, key_counts, first
         raise page_error(lookup_table, block_blocks.shape[0], block_blocks.shape[3], b, j)
     keys, page_stride, base = flat_plane(blocks, 0, layer)
     target, target_stride, target_base = flat_plane(block_blocks, 0, layer)
-    with threads_for(int((num_blocks - first).clip(0).sum()) * ratio * gamma.shape[0]):
+    with threads_for(int((num_blocks - first).clip(0).sum()) * ratio * gamma.shape[0]) as threads:
         _store_blocks_kernel(target, target_stride, target_base, block_blocks.shape[3], keys, page_stride, base,
                              blocks.shape[3], lookup_table.numpy(), first, num_blocks,
-                             gamma.float().contiguous().numpy(), freqs, ratio, float(eps))
+                             gamma.float().contiguous().numpy(), freqs, ratio, float(eps), threads)
 
 
 def qsa_load_block_keys_paged(block_keys, key_counts, block_blocks, lookup_table, layer, ratio):
