@@ -328,8 +328,8 @@ def test_group_scores_are_the_relu_sum_chain_in_registers_or_not(heads, weighted
     tiles then write the scores themselves): every seen key's total equals the in-order chain bit for bit
     (NaN, -0 and negative weights included), and nothing else of ``scores`` changes."""
     rng = np.random.default_rng(10 * heads + weighted)
-    if every_key_seen:
-        rows, key0, chunk = max(1, VECTOR // heads), 24, 48
+    if every_key_seen:  # 5 tiles of keys: pairs of tiles and one more where a row's heads fill whole tiles
+        rows, key0, chunk = max(1, VECTOR // heads), 24, 40
     else:
         rows, key0, chunk = max(3, 32 // heads) - 1, 24, 45  # a padding row when possible
     divisor = np.float32(11.3)

@@ -605,6 +605,88 @@ def relu_head_sums_block(typingctx, dots, totals, key0, lane0, heads, weights, d
     return types.void(dots, totals, types.intp, types.intp, heads, weights, divisor, types.intp), codegen
 
 
+def _octet_transpose(builder, rows):
+    """The 8 x 8 transpose of eight 8-float vectors: ``out[j][k] = rows[k][j]``, in 24 shuffles of the kinds
+    x86 does within 128-bit halves or on whole halves (``unpcklps``/``unpckhps``, ``shufps``, ``vperm2f128``),
+    cheaper than the lane-crossing two-source permutes of :func:`_block_columns`' 16-float rows."""
+    def shuffle(a, b, indices):
+        return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(ir.IntType(32), 8), indices))
+
+    pairs = []  # pairs[2p]: rows 2p, 2p+1 interleaved, columns 0, 1, 4, 5; pairs[2p+1]: columns 2, 3, 6, 7
+    for p in range(4):
+        pairs += [shuffle(rows[2 * p], rows[2 * p + 1], [0, 8, 1, 9, 4, 12, 5, 13]),
+                  shuffle(rows[2 * p], rows[2 * p + 1], [2, 10, 3, 11, 6, 14, 7, 15])]
+    quads = []  # quads[4h + c]: rows 4h .. 4h+3 of columns c and c + 4
+    for first in (0, 4):
+        for low in (0, 1):
+            for keep in ([0, 1, 8, 9, 4, 5, 12, 13], [2, 3, 10, 11, 6, 7, 14, 15]):
+                quads.append(shuffle(pairs[first + low], pairs[first + 2 + low], keep))
+    return ([shuffle(quads[c], quads[4 + c], [0, 1, 2, 3, 8, 9, 10, 11]) for c in range(4)]
+            + [shuffle(quads[c], quads[4 + c], [4, 5, 6, 7, 12, 13, 14, 15]) for c in range(4)])
+
+
+@intrinsic(prefer_literal=True)
+def relu_head_sums_pair(typingctx, dots, totals, key0, lane0, heads, weights, divisor, column0):
+    """:func:`relu_head_sums_block`'s sums for two tiles at once, keys ``key0 .. key0 + 15``, where one row's
+    ``heads`` (a literal multiple of 16) fill whole tiles: ``totals[lane0 // heads, column0 + key0 + k]`` for
+    ``k < 16``, the same operations in the same order (same bits). Each 8-key half's columns come from 8 x 8
+    transposes (:func:`_octet_transpose`), and the halves' two chains of ``heads`` sums are interleaved: with
+    the cheaper shuffles one chain's adds become the limit. Alone in a loop, 32 weighted heads: 20.8-27.0 ns
+    per 8 keys against 31.2-35.5 for two :func:`relu_head_sums_block` calls. The caller keeps every index in
+    bounds."""
+    if not (isinstance(heads, types.IntegerLiteral) and heads.literal_value > 0
+            and heads.literal_value % VECTOR == 0):
+        return None
+    weighted = not isinstance(weights, (types.NoneType, types.Omitted))
+    if not (_is_c_matrix(dots, types.float32) and _is_c_matrix(totals, types.float32)
+            and (not weighted or _is_c_matrix(weights, types.float32)) and divisor == types.float32):
+        return None
+    row_heads = heads.literal_value
+
+    def codegen(context, builder, sig, args):
+        dots_arr, totals_arr = (context.make_array(t)(context, builder, a) for t, a in zip(sig.args[:2], args[:2]))
+        key0, lane0, divisor_value, column0 = args[2], args[3], args[6], args[7]
+        index = ir.IntType(64)
+        octet = ir.VectorType(ir.FloatType(), KEYS_PER_TILE)
+        zero = ir.Constant(octet, [0.0] * KEYS_PER_TILE)
+        dots_cols = builder.extract_value(dots_arr.shape, 1)
+        row = builder.sdiv(lane0, ir.Constant(index, row_heads))
+        if weighted:
+            weights_arr = context.make_array(sig.args[5])(context, builder, args[5])
+            weight_row = builder.mul(row, builder.extract_value(weights_arr.shape, 1))
+
+        def octet_at(key, lane):
+            start = builder.add(builder.mul(key, dots_cols), lane)
+            return builder.load(_vector_at(builder, dots_arr.data, start, octet), align=4)
+
+        totals = [None, None]
+        for group in range(0, row_heads, KEYS_PER_TILE):  # 8 heads at a time, in head order
+            lane = builder.add(lane0, ir.Constant(index, group))
+            columns = [_octet_transpose(builder, [octet_at(builder.add(key0, ir.Constant(index, 8 * half + k)), lane)
+                                                  for k in range(KEYS_PER_TILE)]) for half in range(2)]
+            for h in range(KEYS_PER_TILE):
+                if weighted:
+                    weight = _splat(builder, builder.load(builder.gep(weights_arr.data, [
+                        builder.add(weight_row, ir.Constant(index, group + h))])), octet)
+                for half in range(2):
+                    term = _relu(builder, columns[half][h], zero)
+                    if weighted:
+                        totals[half] = builder.fadd(zero if totals[half] is None else totals[half],
+                                                    builder.fmul(weight, term))
+                    else:
+                        totals[half] = term if totals[half] is None else builder.fadd(totals[half], term)
+        spread_divisor = _splat(builder, divisor_value, octet)
+        totals_cols = builder.extract_value(totals_arr.shape, 1)
+        for half in range(2):
+            start = builder.add(builder.mul(row, totals_cols),
+                                builder.add(builder.add(column0, key0), ir.Constant(index, 8 * half)))
+            builder.store(builder.fdiv(totals[half], spread_divisor),
+                          _vector_at(builder, totals_arr.data, start, octet), align=4)
+        return context.get_dummy_value()
+
+    return types.void(dots, totals, types.intp, types.intp, heads, weights, divisor, types.intp), codegen
+
+
 SQUARE_SUM_ROWS = 2 * KEYS_PER_TILE
 """Rows whose squares :func:`add_block_squares` sums at once (two independent chains of 8)."""
 
