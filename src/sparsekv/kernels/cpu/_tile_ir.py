@@ -513,6 +513,16 @@ def _relu(builder, x, zero):
     return builder.select(builder.fcmp_ordered("<=", x, zero), zero, x)
 
 
+def _head_sums_weighted(dots, totals, weights, divisor) -> bool | None:
+    """Whether a head-sum epilogue's ``weights`` are given (a float32 C matrix) or not (``None``), for float32 C
+    matrices ``dots`` and ``totals`` and a float32 ``divisor``; ``None`` for arguments it does not take."""
+    weighted = not isinstance(weights, (types.NoneType, types.Omitted))
+    if not (_is_c_matrix(dots, types.float32) and _is_c_matrix(totals, types.float32)
+            and (not weighted or _is_c_matrix(weights, types.float32)) and divisor == types.float32):
+        return None
+    return weighted
+
+
 @intrinsic(prefer_literal=True)
 def relu_head_sums_block(typingctx, dots, totals, key0, lane0, heads, weights, divisor, column0):
     """The score epilogue of one tile, in registers, for a head count ``heads`` (a literal dividing 16 or a
@@ -534,9 +544,8 @@ def relu_head_sums_block(typingctx, dots, totals, key0, lane0, heads, weights, d
     if not (isinstance(heads, types.IntegerLiteral) and heads.literal_value > 0
             and (VECTOR % heads.literal_value == 0 or heads.literal_value % VECTOR == 0)):
         return None
-    weighted = not isinstance(weights, (types.NoneType, types.Omitted))
-    if not (_is_c_matrix(dots, types.float32) and _is_c_matrix(totals, types.float32)
-            and (not weighted or _is_c_matrix(weights, types.float32)) and divisor == types.float32):
+    weighted = _head_sums_weighted(dots, totals, weights, divisor)
+    if weighted is None:
         return None
     row_heads = heads.literal_value
 
@@ -637,9 +646,8 @@ def relu_head_sums_pair(typingctx, dots, totals, key0, lane0, heads, weights, di
     if not (isinstance(heads, types.IntegerLiteral) and heads.literal_value > 0
             and heads.literal_value % VECTOR == 0):
         return None
-    weighted = not isinstance(weights, (types.NoneType, types.Omitted))
-    if not (_is_c_matrix(dots, types.float32) and _is_c_matrix(totals, types.float32)
-            and (not weighted or _is_c_matrix(weights, types.float32)) and divisor == types.float32):
+    weighted = _head_sums_weighted(dots, totals, weights, divisor)
+    if weighted is None:
         return None
     row_heads = heads.literal_value
 
