@@ -67,22 +67,29 @@ def _prefetch_page(cache, table, b, key, num_keys, page_stride, base, per_page, 
         prefetch_span(cache, start, min(most, per_page - slot, num_keys - key) * dim, from_l2)
 
 
+SMALL_PAGE_KEYS = 32
+"""Pages of fewer keys than this have the page after the next one asked for too (:func:`_prefetch_ahead`)."""
+
+
 @numba.njit(cache=True, nogil=True, inline="always")
 def _prefetch_ahead(cache, table, b, key, num_keys, page_stride, base, per_page, dim):
-    """Ask for the keys of the two pages from ``key`` (the start of the page after the one being scored)
-    while this one computes: the next page's first tile into L1, and the whole page after it into L2.
+    """Ask for keys of the pages from ``key`` (the start of the page after the one being scored) while this
+    one computes: the next page's first tile into L1 and, for pages of fewer than ``SMALL_PAGE_KEYS`` keys,
+    the whole page after it into L2.
 
     Pages lie anywhere, so the hardware prefetcher cannot run ahead from one to the next, nor can a
     tile's prefetch of the next tile's keys (:func:`._tile_ops.dots_of_rows`, which asks for the rest
     of a page). Measured against the kernel alone's peak with the keys out of the caches (as a model
     reads each layer's keys, once a step): the whole next page was worth 13-15% of a bf16 decode call;
     its first tile alone, the tiles asking for the rest as before, ran the same or 2-13% faster (pages
-    of 32 keys: the rest had been asked for twice); the page after it into L2, pages of 16 keys, then
-    0.52-0.63 -> 0.63-0.68 of the peak in bf16 on one thread, 0.56-0.67 -> 0.60-0.66 on two, fp32
-    0.52-0.58 -> 0.63-0.70 (into L1 as well: about half that gain, in one run). With the keys already
-    in L3 it is within noise (0.68-0.74 against 0.67-0.83)."""
+    of 32 keys: the rest had been asked for twice). The page after it into L2 pays where a page's keys
+    take less time than their fetch: pages of 16 keys 0.52-0.63 -> 0.63-0.68 of the peak in bf16 on one
+    thread, fp32 0.52-0.58 -> 0.63-0.70 (without it, later: fp32 0.86x, bf16 at 32k keys 0.96x); pages of
+    32 or 64 keys ran 1.00-1.06x faster without it (bf16 and fp32, one and two threads, keys in L3 or
+    out of the caches), its requests then only adding work."""
     _prefetch_page(cache, table, b, key, num_keys, page_stride, base, per_page, dim, KEYS_PER_TILE, False)
-    _prefetch_page(cache, table, b, key + per_page, num_keys, page_stride, base, per_page, dim, per_page, True)
+    if per_page < SMALL_PAGE_KEYS:
+        _prefetch_page(cache, table, b, key + per_page, num_keys, page_stride, base, per_page, dim, per_page, True)
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
@@ -99,7 +106,7 @@ def _paged_score_kernel(scores, q, head_weights, cache, page_stride, base, per_p
     cold after a layer's other work).
 
     Each group of a task's rows runs over the chunk's keys it sees (none: the group is skipped), page by
-    page, while the next two pages are prefetched (:func:`_prefetch_ahead`). ``q_t[group]`` holds a row group's queries
+    page, while the next pages are prefetched (:func:`_prefetch_ahead`). ``q_t[group]`` holds a row group's queries
     transposed, ``[D, lanes]``, zero padding lanes. ``threads`` workers take the tasks in runs as they go
     (:func:`._parallel.claim_tasks`), each with one set of scratch.
     """
