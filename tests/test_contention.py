@@ -267,3 +267,18 @@ def test_threads_check_reports_the_median_of_the_rounds_ratios(monkeypatch):
     row = common.BenchRow("op", "shape", "bf16", "cpu", ours, 1, peers, paired=paired)
     assert row.ratio("1thread") == 0.5 and row.ratios()["1thread"] == 1.0
     assert "median of the rounds' ratios" in common.format_table([row])
+
+
+def test_every_peer_and_the_roof_get_the_median_of_the_rounds_ratios(monkeypatch):
+    """A table's ratios come from each round's own times: a slow round slows ours and the peak alike."""
+    from sparsekv.bench import common
+
+    samples = {"ours": [1.0, 2.0, 2.0], "read": [0.5, 0.5, 0.5], "peak": [0.8, 1.6, 1.6]}
+    monkeypatch.setattr(common, "time_rounds", lambda calls, rounds: {name: samples[name] for name in calls})
+    ours, peers, paired = common.time_against_peers({name: lambda: None for name in samples})
+    assert (ours, peers) == (2.0, {"read": 0.5, "peak": 1.6})
+    assert paired == {"read": 0.25, "peak": 0.8, "roof": 0.8}
+    row = common.BenchRow("op", "shape", "bf16", "cpu", ours, 1, peers, paired=paired)
+    assert row.ratio("peak") == 0.8 and row.ratios()["roof"] == 0.8
+    samples["peak"] = [0.8, 1.2, 1.6]  # the medians' ratio 0.6, each round's 0.8, 0.6, 0.8
+    assert common.time_against_peers({name: lambda: None for name in samples})[2]["peak"] == 0.8

@@ -53,7 +53,7 @@ class BenchRow:
     peers_ms: dict[str, float] = field(default_factory=dict)
     note: str = ""
     paired: dict[str, float] = field(default_factory=dict)
-    """Peers whose ratio is the median of per-round ratios (:func:`threads_check`), not of the medians."""
+    """Ratios that are the median of per-round ratios (:func:`time_against_peers`), not the medians' ratio."""
 
     @property
     def gb_per_s(self) -> float:
@@ -70,7 +70,8 @@ class BenchRow:
         it the op reaches."""
         ratios = {p: self.paired.get(p, self.ratio(p)) for p in self.peers_ms}
         if "read" in self.peers_ms and "peak" in self.peers_ms:
-            ratios["roof"] = max(self.peers_ms["read"], self.peers_ms["peak"]) / self.time_ms
+            ratios["roof"] = self.paired.get(
+                "roof", max(self.peers_ms["read"], self.peers_ms["peak"]) / self.time_ms)
         return ratios
 
     def to_dict(self) -> dict:
@@ -185,24 +186,34 @@ THREADS_CHECK_ROUNDS = 120
 rounds, another process's threads above all, disturb a comparison of two calls of a millisecond."""
 
 
-def threads_check(call: Callable[[], object]) -> tuple[float, dict[str, float], dict[str, float]]:
-    """Our median time (ms), the ``1thread`` peer's, and their paired ratio, from :data:`THREADS_CHECK_ROUNDS`
-    interleaved rounds: ``{"1thread": r}``, ``r`` the median over the rounds of the round's one-thread time
-    over our time (for :attr:`BenchRow.paired`).
+def time_against_peers(calls: dict[str, Callable[[], object]], *, rounds: int = 9
+                       ) -> tuple[float, dict[str, float], dict[str, float]]:
+    """Our median time (ms, ``calls["ours"]``), each peer's, and each peer's paired ratio: the median over
+    :func:`time_rounds`' rounds of the round's peer time over our time (for :attr:`BenchRow.paired`; with
+    ``read`` and ``peak`` peers also ``roof``, of the longer of the two).
 
-    On a busy machine each call's time is bimodal (preempted or not, about
-    half the calls each), so either median falls on one mode or the other
-    by chance and their ratio swung from 0.57 to 1.6 from run to run on a
-    single row. The two calls of a round run back to back, and the median of
-    their ratios is the op's own ratio whenever the preemptions fall on both
-    alike. Two busy processes on 2 cores, bf16 block score at 32768 blocks:
-    the medians' ratio 0.50 in one run, the paired ratio 1.01; in the next,
-    every decile of the two samples within 3% of each other, the paired ratio
-    0.99."""
-    samples = time_rounds({"ours": call, "1thread": one_thread(call)}, rounds=THREADS_CHECK_ROUNDS)
-    paired = statistics.median(one / ours for one, ours in zip(samples["1thread"], samples["ours"]))
-    return (statistics.median(samples["ours"]), {"1thread": statistics.median(samples["1thread"])},
-            {"1thread": paired})
+    On a shared machine the speed of every call drifts (other tenants' work:
+    the peak peer took 87-171 us for the same work from one run to the
+    next), and on a busy one each call's time is bimodal
+    (preempted or not, about half the calls each), so each median falls on
+    one mode or the other by chance: ``1thread``'s ratio of the medians
+    swung from 0.57 to 1.6 from run to run on a single row. The calls of a
+    round run back to back, and the median of their ratios is the op's own
+    ratio whenever the disturbances fall on both alike. Two busy processes on
+    2 cores, bf16 block score at 32768 blocks: the medians' ratio 0.50 in one
+    run, the paired ratio 1.01; in the next, every decile of the two samples
+    within 3% of each other, the paired ratio 0.99."""
+    samples = time_rounds(calls, rounds=rounds)
+    ours = samples.pop("ours")
+    paired = {peer: statistics.median(t / o for t, o in zip(times, ours)) for peer, times in samples.items()}
+    if "read" in samples and "peak" in samples:
+        paired["roof"] = statistics.median(max(r, p) / o for r, p, o in zip(samples["read"], samples["peak"], ours))
+    return statistics.median(ours), {peer: statistics.median(times) for peer, times in samples.items()}, paired
+
+
+def threads_check(call: Callable[[], object]) -> tuple[float, dict[str, float], dict[str, float]]:
+    """:func:`time_against_peers` of ours and the ``1thread`` peer alone, :data:`THREADS_CHECK_ROUNDS` rounds."""
+    return time_against_peers({"ours": call, "1thread": one_thread(call)}, rounds=THREADS_CHECK_ROUNDS)
 
 
 def one_thread(fn: Callable[[], object]) -> Callable[[], object]:
@@ -325,11 +336,11 @@ def format_table(rows: list[BenchRow], load: LoadReport | None = None) -> str:
     widths = [max(len(str(x)) for x in col) for col in zip(header, *body)] if body else [len(h) for h in header]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(line, widths)) for line in [header, *body]]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    legend = ["x<peer> = peer time / our time (above 1: faster than the peer)"]
+    legend = ["x<peer> = peer time / our time (above 1: faster than the peer)"
+              + ("; the median of the rounds' ratios (each round times every call back to back)"
+                 if any(r.paired for r in rows) else "")]
     if "1thread" in peers:
-        legend.append("x1thread = our op on one thread / our op (above 1: the threads help)"
-                      + ("; in a threads check, the median of the rounds' ratios (each round times both back to "
-                         "back)" if any(r.paired for r in rows) else ""))
+        legend.append("x1thread = our op on one thread / our op (above 1: the threads help)")
     if "roof" in peers:
         legend.append("xroof = max(read, peak) time / our time: the fraction of the roofline (the op's bytes read once "
                       "at the machine's read bandwidth, or for sparse attention gathered where they lie; the "

@@ -28,7 +28,8 @@ import torch
 from ..cache.pooled import make_pooled_collection
 from ..kernels.reference import kpool as reference
 from ..ops.kpool import kpool_pool_row_offsets, mla_kpool_compress, mla_kpool_score, plan_kpool_score
-from .common import DTYPE_NAMES, BenchRow, copy_peer, one_thread, read_peer, threads_check, time_interleaved
+from .common import (DTYPE_NAMES, BenchRow, copy_peer, one_thread, read_peer, threads_check, time_against_peers,
+                     time_interleaved)
 from .peak import tile_peak_peer
 
 HEAD_DIM, KPOOL, INDEX_HEADS, TOPK, PAGE_SIZE = 128, 4, 32, 2048, 64
@@ -64,16 +65,15 @@ def _compress_row(batch: int, tokens: int, dtype: torch.dtype, rounds: int, chec
     if check_threads:
         time_ms, peers, paired = threads_check(ours)
         return BenchRow("mla_kpool_compress", shape, DTYPE_NAMES[dtype], "cpu", time_ms, nbytes, peers, paired=paired)
-    times = time_interleaved({
+    ours, times, paired = time_against_peers({
         "ours": ours,
         "1thread": one_thread(ours),
         "reference": lambda: reference.mla_kpool_compress(ref_out, k, gate, ape, offsets, pool_offsets, cache, KPOOL,
                                                           "softmax"),
         "copy": copy_peer(nbytes)}, rounds=rounds)
     agreement = _agreement(out, ref_out)
-    ours = times.pop("ours")
     return BenchRow("mla_kpool_compress", shape, DTYPE_NAMES[dtype], "cpu", ours, nbytes, times,
-                    note=f"vs reference: {agreement}")
+                    note=f"vs reference: {agreement}", paired=paired)
 
 
 def _score_row(batch: int, tokens: int, dtype: torch.dtype, rounds: int, check_threads: bool) -> BenchRow:
@@ -107,7 +107,7 @@ def _score_row(batch: int, tokens: int, dtype: torch.dtype, rounds: int, check_t
         return BenchRow("mla_kpool_score", shape, DTYPE_NAMES[dtype], "cpu", time_ms, nbytes, peers, paired=paired)
     planning_ms = time_interleaved({"plan": lambda: plan_kpool_score(cache, positions, offsets, kpool=KPOOL)},
                                    rounds=rounds)["plan"]
-    times = time_interleaved({
+    ours, times, paired = time_against_peers({
         "ours": ours,
         "1thread": one_thread(ours),
         "op": one_shot,
@@ -116,10 +116,10 @@ def _score_row(batch: int, tokens: int, dtype: torch.dtype, rounds: int, check_t
         "copy": copy_peer(nbytes),
         "read": read_peer(nbytes),
         "peak": tile_peak_peer({dtype: batch * pools * INDEX_HEADS * HEAD_DIM})}, rounds=rounds)
-    ours = times.pop("ours")
     err = float(((out - ref_out).abs().max() / ref_out.abs().max().clamp_min(1e-30)))
     return BenchRow("mla_kpool_score", shape, DTYPE_NAMES[dtype], "cpu", ours, nbytes, times,
-                    note=f"max rel err vs reference {err:.1e}; the plan {planning_ms * 1000:.0f} us once a step")
+                    note=f"max rel err vs reference {err:.1e}; the plan {planning_ms * 1000:.0f} us once a step",
+                    paired=paired)
 
 
 def run(quick: bool = False, check_threads: bool = False) -> list[BenchRow]:

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from ..cache.layout import PagedKVCacheCollection
 from ..ops.mla import mla_sparse_attention_paged
 from .common import (DTYPE_NAMES, PAGE_SIZE, BenchRow, backend, one_thread, random_paged_blocks, threads_check,
-                     time_interleaved)
+                     time_against_peers)
 from .peak import tile_peak_peer
 
 KV_LORA_RANK, ROPE_DIM, TOPK = 512, 64, 2048
@@ -83,16 +83,16 @@ def _decode_case(cached: int, heads: int, dtype: torch.dtype):
 
 
 def bench_decode(cached: int, heads: int, dtype: torch.dtype, check_threads: bool = False) -> BenchRow:
-    """Our median time and the peers', interleaved (:func:`.common.time_interleaved`); ``check_threads``:
-    the ``1thread`` peer alone (:func:`.common.threads_check`)."""
+    """Our median time, the peers' and their paired ratios (:func:`.common.time_against_peers`);
+    ``check_threads``: the ``1thread`` peer alone (:func:`.common.threads_check`)."""
     call, peers, nbytes, shape = _decode_case(cached, heads, dtype)
     if check_threads:
         ours, times, paired = threads_check(call)
         return BenchRow("mla_sparse_attention_paged", shape, DTYPE_NAMES[dtype], "cpu", ours, nbytes, times,
                         paired=paired)
-    times = time_interleaved({"ours": call, "1thread": one_thread(call), **peers})
-    ours = times.pop("ours")
-    return BenchRow("mla_sparse_attention_paged", shape, DTYPE_NAMES[dtype], "cpu", ours, nbytes, times)
+    ours, times, paired = time_against_peers({"ours": call, "1thread": one_thread(call), **peers})
+    return BenchRow("mla_sparse_attention_paged", shape, DTYPE_NAMES[dtype], "cpu", ours, nbytes, times,
+                    paired=paired)
 
 
 def best_of_decode(cached: int, heads: int, dtype: torch.dtype, calls: int) -> BenchRow:

@@ -25,7 +25,7 @@ decode block-score rows.
 The ``max`` peer is ``benchmarks/max_peer.py --serve``, started once per row
 in that Python (:class:`.remote.RemotePeer`): it builds MAX's graph and
 inputs for the row's shape, and then takes its turn in every round of
-:func:`.common.time_interleaved` next to ours, timing its calls in its own
+:func:`.common.time_rounds` next to ours, timing its calls in its own
 process, so both sides run at the same moments under the same load. It is
 stopped when the row ends, also on an error. Its idle process is not quite
 idle: MAX's runtime keeps a thread polling (a few percent of one core), which
@@ -50,7 +50,7 @@ from ..ops.qsa import (plan_qsa_block_score_paged, qsa_block_score, qsa_block_sc
                        qsa_load_block_keys_paged, qsa_select_tokens, qsa_sparse_attention_paged,
                        qsa_store_block_keys_paged)
 from .common import (DTYPE_NAMES, PAGE_SIZE, BenchRow, backend, copy_peer, one_thread, random_paged_blocks,
-                     gather_peer, read_peer, threads_check, time_interleaved)
+                     gather_peer, read_peer, threads_check, time_against_peers)
 from .peak import tile_peak_peer
 from .remote import RemotePeer, RemotePeerError, python_env
 
@@ -63,7 +63,7 @@ MAX_PEER_SCRIPT = SOURCE_ROOT.parent / "benchmarks" / "max_peer.py"  # present i
 
 def _time_with_peers(call, max_peer: RemotePeer | None = None, *, check_threads: bool = False,
                      reference_call=None, **peers) -> tuple[float, dict[str, float], dict[str, float]]:
-    """Our time and each peer's, interleaved (:func:`.common.time_interleaved`); the ``reference`` peer
+    """Our time, each peer's and their paired ratios (:func:`.common.time_against_peers`); the ``reference`` peer
     is ``call`` itself (``reference_call`` where given: a plan keeps the backend it was made with) under
     ``SPARSEKV_BACKEND=reference``, the ``1thread`` peer ``call`` on one thread,
     the ``max`` peer ``max_peer`` when given (if it fails, the reason goes to stderr and the row is timed
@@ -78,13 +78,10 @@ def _time_with_peers(call, max_peer: RemotePeer | None = None, *, check_threads:
     calls = {"ours": call, "1thread": one_thread(call), "reference": reference, **peers}
     if max_peer is not None:
         try:
-            times = time_interleaved({**calls, "max": max_peer})
+            return time_against_peers({**calls, "max": max_peer})
         except RemotePeerError as exc:
             print(f"bench_qsa: no MAX column for this row: {exc}", file=sys.stderr)
-        else:
-            return times.pop("ours"), times, {}
-    times = time_interleaved(calls)
-    return times.pop("ours"), times, {}
+    return time_against_peers(calls)
 
 
 @contextlib.contextmanager
