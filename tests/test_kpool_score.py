@@ -18,6 +18,7 @@ from sparsekv import (
 )
 from sparsekv.kernels.cpu import kpool as cpu
 from sparsekv.kernels.cpu._bits import as_numba
+from sparsekv.kernels.cpu import _paged_score
 from sparsekv.kernels.cpu._paged_score import _paged_score_kernel
 from sparsekv.kernels.reference import kpool as ref
 
@@ -417,9 +418,9 @@ def test_score_cpu_many_pools_and_rows_equals_reference_and_rows_alone(dtype, he
 
 
 @pytest.mark.parametrize("heads", [3, 32])
-def test_score_cpu_kernel_bits_do_not_depend_on_the_worker_count(heads):
-    """The paged kernel's tasks taken as they go by 1, 2 or 5 workers (more than the threads there are): the
-    same bits, and the reference's values."""
+def test_score_cpu_kernel_bits_do_not_depend_on_workers_or_prefetch(heads):
+    """The paged kernel's tasks taken as they go by 1, 2 or 5 workers (more than the threads there are), asking
+    for 0-3 pages ahead (past the sequences' last pages too): the same bits, and the reference's values."""
     gen = torch.Generator().manual_seed(7 + heads)
     kpool, per_page, dim = 4, 8, 48
     seq_lengths = [4 * 700, 4 * 333 + 3]
@@ -433,16 +434,33 @@ def test_score_cpu_kernel_bits_do_not_depend_on_the_worker_count(heads):
     plan = cpu.ScorePlan(blocks, table, positions, offsets, kpool, out_cols)
     keys = plan.keys
     outs = []
-    for workers in (1, 2, 5):
+    for workers, pages_ahead in ((1, 0), (2, 1), (5, 2), (2, 3)):
         out = torch.full((3, out_cols), float("nan"))
         _paged_score_kernel(out.numpy(), as_numba(q), w.numpy(), keys.cache, keys.page_stride, keys.base,
                             keys.per_page, keys.num_pages, plan.table, plan.visible, plan.seq_keys, plan.offsets,
-                            np.float32(1.0), workers)
+                            np.float32(1.0), pages_ahead, workers)
         outs.append(out)
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert all(torch.equal(outs[0], out) for out in outs[1:])
     want = torch.full_like(outs[0], float("nan"))
     ref.mla_kpool_score(want, q, w, blocks, table, positions, offsets, kpool, 0)
     assert_scores_close(outs[0], want)
+
+
+def test_score_plan_asks_further_ahead_when_a_step_reads_past_the_last_level_cache(monkeypatch):
+    """Two pages ahead into L2 for pages under 16 KB once a step's reads over every layer (a layer's visible
+    keys times the layers) exceed the last-level cache; else one for pages under 32 keys, none above."""
+    assert _paged_score.LAST_LEVEL_CACHE_BYTES >= 1 << 20
+    monkeypatch.setattr(_paged_score, "LAST_LEVEL_CACHE_BYTES", 64 << 10)
+    gen = torch.Generator().manual_seed(3)
+    kpool, dim, pools = 4, 64, 200  # bf16: 25.6 KB a layer
+    positions, offsets = torch.tensor([4 * pools - 1], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32)
+    for per_page, layers, dtype, ahead in [(16, 4, torch.bfloat16, 2), (16, 2, torch.bfloat16, 1),
+                                           (32, 2, torch.bfloat16, 0), (32, 4, torch.bfloat16, 2),
+                                           (64, 4, torch.float32, 0), (16, 4, torch.float32, 2)]:
+        keys = [torch.randn(pools, dim, generator=gen).to(dtype)]
+        blocks, table = fill_pooled_cache(keys, kpool, per_page, layer=0, num_layers=layers, gen=gen)
+        plan = cpu.ScorePlan(blocks, table, positions, offsets, kpool, pools)
+        assert plan.pages_ahead == ahead, (per_page, layers, dtype)
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu"])

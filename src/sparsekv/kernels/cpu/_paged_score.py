@@ -24,6 +24,7 @@ bit for bit (the same tiles and epilogue, the same keys).
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import numba
@@ -68,33 +69,71 @@ def _prefetch_page(cache, table, b, key, num_keys, page_stride, base, per_page, 
 
 
 SMALL_PAGE_KEYS = 32
-"""Pages of fewer keys than this have the page after the next one asked for too (:func:`_prefetch_ahead`)."""
+"""With the keys likely in the last-level cache, pages of fewer keys than this have the page after the next one
+asked for too (:func:`l2_pages_ahead`)."""
+
+FROM_MEMORY_PAGE_BYTES = 16 << 10
+"""With the keys likely in memory, pages of fewer bytes than this have the two pages after the next one asked for
+(:func:`l2_pages_ahead`)."""
+
+
+def _last_level_cache_bytes() -> int:
+    """The largest CPU cache's size in bytes (Linux ``sysfs``; 32 MiB where it cannot be read)."""
+    sizes = []
+    root = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        for index in os.listdir(root):
+            with open(os.path.join(root, index, "size")) as file:
+                text = file.read().strip().upper()
+            scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+            sizes.append(int(text.rstrip("KMG")) * scale)
+    except (OSError, ValueError):
+        return 32 << 20
+    return max(sizes, default=32 << 20)
+
+
+LAST_LEVEL_CACHE_BYTES = _last_level_cache_bytes()
+
+
+def l2_pages_ahead(per_page: int, page_bytes: int, step_bytes: int) -> int:
+    """How many whole pages after the next one the kernel asks into L2 while it scores a page (0-2).
+
+    ``step_bytes`` is what a model step reads over every layer of the cache (a layer's visible keys times
+    the layers): above the last-level cache, each layer's keys come from memory, evicted by the others'
+    reads, and pages under ``FROM_MEMORY_PAGE_BYTES`` get two pages of requests in flight; else (keys in
+    the last-level cache) pages under ``SMALL_PAGE_KEYS`` keys get one. Measured against the kernel alone's
+    same-run peak (two threads, bf16 unless said; docs/benchmarks.md): keys out of the caches, 8-16 layers
+    rotating, QSA block score over 8 KB pages 0.47 -> 0.53-0.54 of the peak (one page ahead: 0-3%),
+    the k-pool score over 4 KB pages 0.61 -> 0.62 (fp32 8 KB pages 0.58 -> 0.59-0.60), 16 KB pages none
+    better; keys in the last-level cache, the same two pages cost 2-10% (their requests only add work).
+    One page ahead, earlier, keys out of the caches: pages of 16 keys 0.52-0.63 -> 0.63-0.68 of the one-thread
+    peak in bf16, fp32 0.52-0.58 -> 0.63-0.70; pages of 32 or 64 keys 1.00-1.06x faster without it."""
+    if step_bytes > LAST_LEVEL_CACHE_BYTES:
+        return 2 if page_bytes < FROM_MEMORY_PAGE_BYTES else 0
+    return 1 if per_page < SMALL_PAGE_KEYS else 0
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _prefetch_ahead(cache, table, b, key, num_keys, page_stride, base, per_page, dim):
+def _prefetch_ahead(cache, table, b, key, num_keys, page_stride, base, per_page, dim, pages_ahead):
     """Ask for keys of the pages from ``key`` (the start of the page after the one being scored) while this
-    one computes: the next page's first tile into L1 and, for pages of fewer than ``SMALL_PAGE_KEYS`` keys,
-    the whole page after it into L2.
+    one computes: the next page's first tile into L1 and the ``pages_ahead`` whole pages after it into L2
+    (:func:`l2_pages_ahead`).
 
     Pages lie anywhere, so the hardware prefetcher cannot run ahead from one to the next, nor can a
     tile's prefetch of the next tile's keys (:func:`._tile_ops.dots_of_rows`, which asks for the rest
     of a page). Measured against the kernel alone's peak with the keys out of the caches (as a model
     reads each layer's keys, once a step): the whole next page was worth 13-15% of a bf16 decode call;
     its first tile alone, the tiles asking for the rest as before, ran the same or 2-13% faster (pages
-    of 32 keys: the rest had been asked for twice). The page after it into L2 pays where a page's keys
-    take less time than their fetch: pages of 16 keys 0.52-0.63 -> 0.63-0.68 of the peak in bf16 on one
-    thread, fp32 0.52-0.58 -> 0.63-0.70 (without it, later: fp32 0.86x, bf16 at 32k keys 0.96x); pages of
-    32 or 64 keys ran 1.00-1.06x faster without it (bf16 and fp32, one and two threads, keys in L3 or
-    out of the caches), its requests then only adding work."""
+    of 32 keys: the rest had been asked for twice)."""
     _prefetch_page(cache, table, b, key, num_keys, page_stride, base, per_page, dim, KEYS_PER_TILE, False)
-    if per_page < SMALL_PAGE_KEYS:
-        _prefetch_page(cache, table, b, key + per_page, num_keys, page_stride, base, per_page, dim, per_page, True)
+    for ahead in range(1, pages_ahead + 1):
+        _prefetch_page(cache, table, b, key + ahead * per_page, num_keys, page_stride, base, per_page, dim,
+                       per_page, True)
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
 def _paged_score_kernel(scores, q, head_weights, cache, page_stride, base, per_page, num_pages, table, visible,
-                        seq_keys, offsets, divisor, threads):
+                        seq_keys, offsets, divisor, pages_ahead, threads):
     """``scores [total_q, out_cols]``; ``q [total_q, heads, D]``; ``head_weights [total_q, heads]`` float32 or
     ``None``; ``cache`` the paged keys as one flat array: key slot ``s`` of page ``n`` (this layer) starts at
     ``cache[n*page_stride + base + s*D]``, ``num_pages`` pages; ``divisor`` float32; ``visible`` and
@@ -106,9 +145,9 @@ def _paged_score_kernel(scores, q, head_weights, cache, page_stride, base, per_p
     cold after a layer's other work).
 
     Each group of a task's rows runs over the chunk's keys it sees (none: the group is skipped), page by
-    page, while the next pages are prefetched (:func:`_prefetch_ahead`). ``q_t[group]`` holds a row group's queries
-    transposed, ``[D, lanes]``, zero padding lanes. ``threads`` workers take the tasks in runs as they go
-    (:func:`._parallel.claim_tasks`), each with one set of scratch.
+    page, while the next pages are prefetched (:func:`_prefetch_ahead`, ``pages_ahead`` whole pages into L2).
+    ``q_t[group]`` holds a row group's queries transposed, ``[D, lanes]``, zero padding lanes. ``threads``
+    workers take the tasks in runs as they go (:func:`._parallel.claim_tasks`), each with one set of scratch.
     """
     seq, key = first_missing_page(table, num_pages, per_page, seq_keys)
     if seq >= 0:
@@ -143,7 +182,8 @@ def _paged_score_kernel(scores, q, head_weights, cache, page_stride, base, per_p
                     slot = key % per_page
                     run = min(per_page - slot, needed - column)
                     start = table[b, key // per_page] * page_stride + base + slot * dim
-                    _prefetch_ahead(cache, table, b, key + run, num_keys[b], page_stride, base, per_page, dim)
+                    _prefetch_ahead(cache, table, b, key + run, num_keys[b], page_stride, base, per_page, dim,
+                                    pages_ahead)
                     dots_of_rows(dots[column:], group_q, cache[start : start + run * dim].reshape((run, dim)),
                                  lanes, scratch)
                     column += run
@@ -171,14 +211,14 @@ def _weights_at_overload(address, rows, heads):
 
 @numba.njit(cache=True, nogil=True)
 def _paged_scores_at(scores_at, q_at, weights_at, total_q, heads, dim, out_cols, cache, page_stride, base, per_page,
-                     num_pages, table, visible, seq_keys, offsets, divisor, threads):
+                     num_pages, table, visible, seq_keys, offsets, divisor, pages_ahead, threads):
     """:func:`_paged_score_kernel` over tensors given by address (:func:`._bits.array_at`; each C-contiguous):
     ``scores_at`` float32 ``[total_q, out_cols]``, ``q_at`` ``[total_q, heads, dim]`` of ``cache``'s element
     type, ``weights_at`` float32 ``[total_q, heads]`` or ``None``."""
     return _paged_score_kernel(array_at(scores_at, (total_q, out_cols), np.float32),
                                array_at(q_at, (total_q, heads, dim), cache),
                                _weights_at(weights_at, total_q, heads), cache, page_stride, base, per_page, num_pages,
-                               table, visible, seq_keys, offsets, divisor, threads)
+                               table, visible, seq_keys, offsets, divisor, pages_ahead, threads)
 
 
 class PagedKeys(NamedTuple):
@@ -209,7 +249,8 @@ def paged_keys(blocks: torch.Tensor) -> PagedKeys:
 class PagedScorePlan:
     """A paged score's query rows over one key cache, set up once and run for any of its layers: the keys each
     row sees (:func:`visible_keys` of the rows' positions and offsets, ``ratio`` tokens per key, at most
-    ``out_cols``), the keys as the kernel reads them (:func:`paged_keys`) and ``divisor``.
+    ``out_cols``), the keys as the kernel reads them (:func:`paged_keys`), ``divisor``, and how far ahead the
+    kernel asks for pages (:func:`l2_pages_ahead`, from what a step reads over the cache's layers).
 
     Pages are checked when the plan is made (an early error) and again by each run, in the kernel's own
     call, against the lookup table's values as they are then (the table may change between runs: a plan
@@ -219,7 +260,7 @@ class PagedScorePlan:
     """
 
     __slots__ = ("lookup_table", "table", "positions", "offsets", "ratio", "divisor", "keys", "key_dtype", "visible",
-                 "seq_keys", "total_visible")
+                 "seq_keys", "total_visible", "pages_ahead")
 
     def __init__(self, blocks: torch.Tensor, lookup_table: torch.Tensor, query_positions: torch.Tensor,
                  input_row_offsets: torch.Tensor, ratio: int, out_cols: int, divisor: float) -> None:
@@ -228,6 +269,9 @@ class PagedScorePlan:
         self.ratio, self.divisor = ratio, np.float32(divisor)  # as the kernel takes it, made once (~0.4 us)
         self.keys, self.key_dtype = paged_keys(blocks), blocks.dtype
         self.visible, self.seq_keys, self.total_visible = visible_keys(self.positions, self.offsets, ratio, out_cols)
+        key_bytes = blocks.shape[-1] * blocks.element_size()
+        self.pages_ahead = l2_pages_ahead(self.keys.per_page, self.keys.per_page * key_bytes,
+                                          int(self.seq_keys.sum()) * key_bytes * blocks.shape[2])
         seq, key = first_missing_page(self.table, self.keys.num_pages, self.keys.per_page, self.seq_keys)
         if seq >= 0:
             raise self.page_error(seq, key)
@@ -259,7 +303,7 @@ class PagedScorePlan:
                                         target.shape[1], keys.cache, keys.page_stride,
                                         keys.base + layer * keys.layer_span, keys.per_page, keys.num_pages,
                                         self.table, self.visible, self.seq_keys, self.offsets,
-                                        self.divisor, threads)
+                                        self.divisor, self.pages_ahead, threads)
         if seq >= 0:
             raise self.page_error(seq, key)
         if target is not scores:
