@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from sparsekv.bench.common import gather_peer, random_paged_blocks
+from sparsekv.bench import common, kpool, qsa
+from sparsekv.bench.common import gather_peer, random_paged_blocks, read_peer
 from sparsekv.cache.layout import PagedKVCacheCollection
 
 
@@ -25,3 +26,32 @@ def test_gather_peer_copies_the_selected_key_and_value_rows_of_every_head():
             rows = plane.load(b, positions)  # [n, kv_heads, dim]
             want += [rows[:, head] for head in range(kv_heads)]
     assert torch.equal(gathered, torch.cat(want))
+
+
+def test_read_peer_reads_its_spans_in_turn():
+    """``read_peer(nbytes, slices=3)``: each call sums the next of three random spans (three sums, repeating)."""
+    peer = read_peer(4096, slices=3)
+    sums = [float(peer()) for _ in range(4)]
+    assert len(set(sums[:3])) == 3 and sums[3] == sums[0]
+
+
+def _spied_turns(seen: list[int]):
+    def layer_turns(layers: int):
+        for layer in common.layer_turns(layers):
+            seen.append(layer)
+            yield layer
+    return layer_turns
+
+
+def test_layered_score_rows_score_each_layer_in_turn(monkeypatch):
+    """The "layers in turn" rows: each call (ours, and ours on one thread) scores the next layer, as a model's
+    step does, against one thread, a read from as many spans as layers, and the peak."""
+    kpool_turns, qsa_turns = [], []
+    monkeypatch.setattr(kpool, "layer_turns", _spied_turns(kpool_turns))
+    monkeypatch.setattr(qsa, "layer_turns", _spied_turns(qsa_turns))
+    rows = [kpool._score_row(2, 256, torch.bfloat16, 1, False, layers=3),
+            qsa.bench_block_score(2, 512, 4, torch.bfloat16, None, paged=True, layers=3)]
+    for row, turns in zip(rows, (kpool_turns, qsa_turns)):
+        assert row.shape.endswith("3 layers in turn") and "the next of 3 layers" in row.note
+        assert set(row.peers_ms) == {"1thread", "read", "peak"} and set(row.paired) >= {"1thread", "peak"}
+        assert turns[:7] == [0, 1, 2, 0, 1, 2, 0]

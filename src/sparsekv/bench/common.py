@@ -15,6 +15,7 @@ and after) goes under the table and into the JSON rows.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import random
@@ -291,12 +292,21 @@ def copy_peer(nbytes: int, device: torch.device | str = "cpu") -> Callable[[], o
     return lambda: dst.copy_(src)
 
 
-def read_peer(nbytes: int, device: torch.device | str = "cpu") -> Callable[[], object]:
+def read_peer(nbytes: int, device: torch.device | str = "cpu", slices: int = 1) -> Callable[[], object]:
     """A same-run peer: the sum of ``nbytes`` bytes of float32 (reads them once, writes nothing): the time
-    to stream an op's bytes from wherever they lie at the machine's read bandwidth, on torch's threads."""
-    src = torch.randn(max(1, nbytes // 4), device=device)
+    to stream an op's bytes from wherever they lie at the machine's read bandwidth, on torch's threads.
+    With ``slices`` > 1, each call reads the next of ``slices`` such spans in turn, as an op whose calls
+    each read another layer's bytes (:func:`layer_turns`)."""
+    src = torch.randn(slices, max(1, nbytes // 4), device=device)
     out = torch.empty((), device=device)
-    return lambda: torch.sum(src, dim=0, out=out)
+    turns = layer_turns(slices)
+    return lambda: torch.sum(src[next(turns)], dim=0, out=out)
+
+
+def layer_turns(layers: int) -> Iterator[int]:
+    """Layer indices ``0, 1, ..., layers - 1, 0, ...`` for calls that score one layer after another as a
+    model's decode step does: past the last-level cache, each call then finds its keys in memory."""
+    return itertools.cycle(range(layers))
 
 
 def gather_peer(blocks: torch.Tensor, lookup_table: torch.Tensor, indices: torch.Tensor,

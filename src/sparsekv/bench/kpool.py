@@ -18,21 +18,28 @@ tile's peak (``xpeak``: the fraction of the peak reached, :mod:`.peak`;
   step's plan made once for every indexer layer (``plan_kpool_score``, then
   ``KPoolScorePlan.run``); ``xop`` is the one-shot ``mla_kpool_score``
   (plan and run in each call) against it, and the note gives the plan's own
-  time.
+  time. The last row scores 16 layers' pages one layer a call, as a model's
+  step does, so that each call's keys come from memory (against a read of
+  as many bytes from memory, the peak and one thread); the others repeat one
+  layer, whose keys stay in the last-level cache.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..cache.memory import allocate_pages
 from ..cache.pooled import make_pooled_collection
 from ..kernels.reference import kpool as reference
 from ..ops.kpool import kpool_pool_row_offsets, mla_kpool_compress, mla_kpool_score, plan_kpool_score
-from .common import (DTYPE_NAMES, BenchRow, copy_peer, one_thread, read_peer, threads_check, time_against_peers,
-                     time_interleaved)
+from .common import (DTYPE_NAMES, BenchRow, copy_peer, layer_turns, one_thread, read_peer, threads_check,
+                     time_against_peers, time_interleaved)
 from .peak import tile_peak_peer
 
 HEAD_DIM, KPOOL, INDEX_HEADS, TOPK, PAGE_SIZE = 128, 4, 32, 2048, 64
+MODEL_LAYERS = 16
+"""Layers of the decode-score row scored one after another (134 MB of bf16 pages at 32k tokens, past the
+last-level cache): each call's keys come from memory, as in a model's step."""
 
 
 def _agreement(ours: torch.Tensor, reference: torch.Tensor) -> str:
@@ -76,13 +83,16 @@ def _compress_row(batch: int, tokens: int, dtype: torch.dtype, rounds: int, chec
                     note=f"vs reference: {agreement}", paired=paired)
 
 
-def _score_row(batch: int, tokens: int, dtype: torch.dtype, rounds: int, check_threads: bool) -> BenchRow:
+def _score_row(batch: int, tokens: int, dtype: torch.dtype, rounds: int, check_threads: bool,
+               layers: int = 1) -> BenchRow:
     gen = torch.Generator().manual_seed(1)
     pools = tokens // KPOOL
     per_page = PAGE_SIZE // KPOOL
     pages_per_seq = -(-pools // per_page)
     num_pages = batch * pages_per_seq + 1
-    blocks = torch.randn(num_pages, 1, 1, per_page, 1, HEAD_DIM, generator=gen).to(dtype)
+    shape = (num_pages, 1, layers, per_page, 1, HEAD_DIM)
+    blocks = allocate_pages(shape, dtype, "cpu")  # as the cache manager allocates its pages
+    blocks.copy_(torch.randn(shape, generator=gen))
     table = torch.randperm(num_pages, generator=gen)[: batch * pages_per_seq].reshape(batch, pages_per_seq)
     cache = make_pooled_collection(blocks, torch.full((batch,), tokens), table.to(torch.int32), kpool=KPOOL)
     q = torch.randn(batch, INDEX_HEADS, HEAD_DIM, generator=gen).to(dtype)
@@ -94,20 +104,32 @@ def _score_row(batch: int, tokens: int, dtype: torch.dtype, rounds: int, check_t
     elt = blocks.element_size()
     nbytes = batch * pools * HEAD_DIM * elt + q.numel() * elt + weights.numel() * 4 + out.numel() * 4
     plan = plan_kpool_score(cache, positions, offsets, kpool=KPOOL)
+    turns = layer_turns(layers)
 
     def ours():
-        plan.run(q, weights, 0, out=out)
+        plan.run(q, weights, next(turns), out=out)
 
     def one_shot():
         mla_kpool_score(q, weights, cache, 0, positions, offsets, kpool=KPOOL, out=out)
 
-    shape = f"B={batch} decode t={tokens - 1} H={INDEX_HEADS} D={HEAD_DIM} plan.run"
+    shape_text = f"B={batch} decode t={tokens - 1} H={INDEX_HEADS} D={HEAD_DIM} plan.run"
+    if layers > 1:
+        shape_text += f" {layers} layers in turn"
     if check_threads:
         time_ms, peers, paired = threads_check(ours)
-        return BenchRow("mla_kpool_score", shape, DTYPE_NAMES[dtype], "cpu", time_ms, nbytes, peers, paired=paired)
+        return BenchRow("mla_kpool_score", shape_text, DTYPE_NAMES[dtype], "cpu", time_ms, nbytes, peers,
+                        paired=paired)
+    peak = tile_peak_peer({dtype: batch * pools * INDEX_HEADS * HEAD_DIM})
+    if layers > 1:  # keys from memory: peers that read the same bytes from memory, or none from anywhere
+        ours_ms, times, paired = time_against_peers({
+            "ours": ours, "1thread": one_thread(ours), "read": read_peer(nbytes, slices=layers), "peak": peak},
+            rounds=rounds)
+        return BenchRow("mla_kpool_score", shape_text, DTYPE_NAMES[dtype], "cpu", ours_ms, nbytes, times,
+                        note=f"each call the next of {layers} layers ({blocks.numel() * elt / 1e6:.0f} MB of pages)",
+                        paired=paired)
     planning_ms = time_interleaved({"plan": lambda: plan_kpool_score(cache, positions, offsets, kpool=KPOOL)},
                                    rounds=rounds)["plan"]
-    ours, times, paired = time_against_peers({
+    ours_ms, times, paired = time_against_peers({
         "ours": ours,
         "1thread": one_thread(ours),
         "op": one_shot,
@@ -115,9 +137,9 @@ def _score_row(batch: int, tokens: int, dtype: torch.dtype, rounds: int, check_t
                                                        offsets, KPOOL, 0),
         "copy": copy_peer(nbytes),
         "read": read_peer(nbytes),
-        "peak": tile_peak_peer({dtype: batch * pools * INDEX_HEADS * HEAD_DIM})}, rounds=rounds)
+        "peak": peak}, rounds=rounds)
     err = float(((out - ref_out).abs().max() / ref_out.abs().max().clamp_min(1e-30)))
-    return BenchRow("mla_kpool_score", shape, DTYPE_NAMES[dtype], "cpu", ours, nbytes, times,
+    return BenchRow("mla_kpool_score", shape_text, DTYPE_NAMES[dtype], "cpu", ours_ms, nbytes, times,
                     note=f"max rel err vs reference {err:.1e}; the plan {planning_ms * 1000:.0f} us once a step",
                     paired=paired)
 
@@ -134,4 +156,6 @@ def run(quick: bool = False, check_threads: bool = False) -> list[BenchRow]:
         for dtype in dtypes:
             for tokens in lengths:
                 rows.append(op(batch, tokens, dtype, rounds, check_threads))
+    if not quick:  # a model's step: each layer's keys from memory
+        rows.append(_score_row(batch, lengths[-1], torch.bfloat16, rounds, check_threads, layers=MODEL_LAYERS))
     return rows

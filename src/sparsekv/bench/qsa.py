@@ -30,6 +30,13 @@ process, so both sides run at the same moments under the same load. It is
 stopped when the row ends, also on an error. Its idle process is not quite
 idle: MAX's runtime keeps a thread polling (a few percent of one core), which
 runs during our turns too.
+
+The paged block score's rows repeat one layer, whose keys stay in the
+last-level cache up to 8192 blocks; its last row scores 16 layers' pages one
+layer a call, as a model's step does, so that each call's keys come from
+memory (against one thread, a read of as many bytes from memory, and the
+peak). Page storage is allocated as the cache manager allocates it
+(:func:`sparsekv.cache.allocate_pages`).
 """
 
 from __future__ import annotations
@@ -44,18 +51,22 @@ import torch
 import torch.nn.functional as F
 
 from ..cache.layout import PagedKVCacheCollection
+from ..cache.memory import allocate_pages
 from ..cache.pooled import make_pooled_collection
 from ..numerics import rope_freqs_cis
 from ..ops.qsa import (plan_qsa_block_score_paged, qsa_block_score, qsa_block_score_paged, qsa_compress_keys_paged,
                        qsa_load_block_keys_paged, qsa_select_tokens, qsa_sparse_attention_paged,
                        qsa_store_block_keys_paged)
-from .common import (DTYPE_NAMES, PAGE_SIZE, BenchRow, backend, copy_peer, one_thread, random_paged_blocks,
-                     gather_peer, read_peer, threads_check, time_against_peers)
+from .common import (DTYPE_NAMES, PAGE_SIZE, BenchRow, backend, copy_peer, gather_peer, layer_turns, one_thread,
+                     random_paged_blocks, read_peer, threads_check, time_against_peers)
 from .peak import tile_peak_peer
 from .remote import RemotePeer, RemotePeerError, python_env
 
 HEAD_DIM, RATIO, ROTARY_DIM, THETA, EPS = 128, 4, 64, 1e7, 1e-6
 INDEX_HEADS, ROWS_PER_SEQUENCE, BUDGET = 4, 4, 2048
+MODEL_LAYERS = 16
+"""Layers of the paged block score row scored one after another (134 MB of bf16 pages at 8192 blocks, past the
+last-level cache): each call's keys come from memory, as in a model's step."""
 Q_HEADS, KV_HEADS, MAIN_HEAD_DIM = 24, 2, 256
 SOURCE_ROOT = Path(__file__).resolve().parents[2]  # the directory holding the sparsekv package
 MAX_PEER_SCRIPT = SOURCE_ROOT.parent / "benchmarks" / "max_peer.py"  # present in a source checkout only
@@ -153,7 +164,9 @@ def bench_block_cache(batch: int, keys: int, dtype: torch.dtype, max_python: str
     key_counts = (keys - torch.arange(batch)).to(torch.int32)
     blocks, table = random_paged_blocks(batch, keys, 1, 1, HEAD_DIM, dtype, generator)
     cache = PagedKVCacheCollection(blocks, key_counts - 1, table, max_seq_length=1, max_cache_length=keys)
-    block_blocks = torch.randn(blocks.shape[0], 1, 1, PAGE_SIZE // RATIO, 1, HEAD_DIM, generator=generator).to(dtype)
+    block_shape = (blocks.shape[0], 1, 1, PAGE_SIZE // RATIO, 1, HEAD_DIM)
+    block_blocks = allocate_pages(block_shape, dtype, "cpu")  # as the cache manager allocates its pages
+    block_blocks.copy_(torch.randn(block_shape, generator=generator))
     block_cache = make_pooled_collection(block_blocks, key_counts - 1, table, kpool=RATIO)
     gamma = (0.1 * torch.randn(HEAD_DIM, generator=generator)).to(dtype)
     freqs = rope_freqs_cis(keys, ROTARY_DIM, THETA)
@@ -178,11 +191,13 @@ def bench_block_cache(batch: int, keys: int, dtype: torch.dtype, max_python: str
 
 def bench_block_score(batch: int, keys: int, rows_per_seq: int, dtype: torch.dtype,
                       max_python: str | None, threads: int | None = None, check_threads: bool = False,
-                      paged: bool = False) -> BenchRow:
+                      paged: bool = False, layers: int = 1) -> BenchRow:
     """Rows at each sequence's last positions, 4 index heads, against its block keys; ``paged``: the same
     block keys in a block-key cache's pages (``PAGE_SIZE // RATIO`` per page, scattered), scored in place by
     ``qsa_block_score_paged``'s plan (``plan.run``, a layer's call; the one-shot op is the ``op`` peer), with
-    the contiguous score as a peer (``contiguous``)."""
+    the contiguous score as a peer (``contiguous``). ``layers`` > 1 (paged only): the cache holds that many
+    layers, each call scores the next (a model's step: keys from memory once they pass the last-level
+    cache), against one thread, a read of as many bytes from memory, and the peak."""
     generator = torch.Generator().manual_seed(1)
     max_blocks = keys // RATIO
     block_keys = torch.randn(batch * max_blocks, HEAD_DIM, generator=generator).to(dtype)
@@ -200,21 +215,26 @@ def bench_block_score(batch: int, keys: int, rows_per_seq: int, dtype: torch.dty
         pages_per_seq = -(-max_blocks // per_page)
         num_pages = batch * pages_per_seq + 1
         table = torch.randperm(num_pages, generator=generator)[: batch * pages_per_seq].to(torch.int32)
-        block_blocks = torch.zeros(num_pages, 1, 1, per_page, 1, HEAD_DIM, dtype=dtype)
-        rows = block_blocks.view(num_pages * per_page, HEAD_DIM)
+        layer_pages = torch.zeros(num_pages, 1, 1, per_page, 1, HEAD_DIM, dtype=dtype)
+        rows = layer_pages.view(num_pages * per_page, HEAD_DIM)
         for b in range(batch):
             for p in range(pages_per_seq):
                 n = min(per_page, max_blocks - p * per_page)
                 page = int(table[b * pages_per_seq + p])
                 rows[page * per_page : page * per_page + n] = block_keys[b * max_blocks + p * per_page :][:n]
+        # as the cache manager allocates its pages; every layer holds the same keys
+        block_blocks = allocate_pages((num_pages, 1, layers, per_page, 1, HEAD_DIM), dtype, "cpu")
+        block_blocks.copy_(layer_pages.expand_as(block_blocks))
         block_cache = make_pooled_collection(block_blocks, positions.new_full((batch,), keys), table.view(batch, -1),
                                              kpool=RATIO)
         scores = torch.empty_like(out)
         plan = plan_qsa_block_score_paged(block_cache, positions, offsets, ratio=RATIO,
                                           score_scale=math.sqrt(HEAD_DIM), out_cols=max_blocks)
 
+        turns = layer_turns(layers)
+
         def planned_run():  # a layer's call: the step's plan is made once for every QSA layer
-            plan.run(q, 0, out=scores)
+            plan.run(q, next(turns), out=scores)
 
         def one_shot():
             qsa_block_score_paged(q, block_cache, 0, positions, offsets, ratio=RATIO, score_scale=math.sqrt(HEAD_DIM),
@@ -227,17 +247,26 @@ def bench_block_score(batch: int, keys: int, rows_per_seq: int, dtype: torch.dty
     visible = min(keys // RATIO, max_blocks)
     nbytes = q.numel() * q.element_size() + batch * visible * HEAD_DIM * block_keys.element_size() + out.numel() * 4
     seen = ((positions.long() + 1) // RATIO).clamp(0, max_blocks)  # blocks each row scores
+    kind = "decode" if rows_per_seq <= ROWS_PER_SEQUENCE else "prefill chunk"
     peak = tile_peak_peer({dtype: int(seen.sum()) * INDEX_HEADS * HEAD_DIM})
     if rows_per_seq != ROWS_PER_SEQUENCE:  # max_peer.py runs the decode shape only
         max_python = None
+    shape = f"{kind}: B={batch} rows={rows_per_seq}/seq heads=4 blocks={max_blocks}" + (" plan.run" if paged else "")
+    if layers > 1:  # keys from memory: peers that read the same bytes from memory, or none from anywhere
+        shape += f" {layers} layers in turn"
+        if check_threads:
+            ours, peers, paired = threads_check(call)
+        else:
+            ours, peers, paired = time_against_peers({"ours": call, "1thread": one_thread(call),
+                                                      "read": read_peer(nbytes, slices=layers), "peak": peak})
+        return BenchRow("qsa_block_score_paged", shape, DTYPE_NAMES[dtype], "cpu", ours, nbytes, peers,
+                        f"each call the next of {layers} layers "
+                        f"({block_blocks.numel() * block_blocks.element_size() / 1e6:.0f} MB of pages)", paired)
     with max_peer(max_python, "block_score", batch, keys, dtype, threads) as peer:
         ours, peers, paired = _time_with_peers(call, peer, check_threads=check_threads, copy=copy_peer(nbytes),
                                                read=read_peer(nbytes), peak=peak, **extra_peers)
-    kind = "decode" if rows_per_seq <= ROWS_PER_SEQUENCE else "prefill chunk"
-    return BenchRow("qsa_block_score_paged" if paged else "qsa_block_score",
-                    f"{kind}: B={batch} rows={rows_per_seq}/seq heads=4 blocks={max_blocks}"
-                    + (" plan.run" if paged else ""),
-                    DTYPE_NAMES[dtype], "cpu", ours, nbytes, peers, _max_note(peer, peers), paired)
+    return BenchRow("qsa_block_score_paged" if paged else "qsa_block_score", shape, DTYPE_NAMES[dtype], "cpu", ours,
+                    nbytes, peers, _max_note(peer, peers), paired)
 
 
 def bench_select(batch: int, keys: int, check_threads: bool = False) -> BenchRow:
@@ -348,6 +377,9 @@ def run(quick: bool = False, max_python: str | None = None, threads: int | None 
             for keys in key_sizes:
                 rows.append(bench_block_score(4, keys, ROWS_PER_SEQUENCE, dtype, None, threads, check_threads,
                                               paged=True))
+        if not quick:  # a model's step: each layer's keys from memory
+            rows.append(bench_block_score(4, key_sizes[1], ROWS_PER_SEQUENCE, torch.bfloat16, None, threads,
+                                          check_threads, paged=True, layers=MODEL_LAYERS))
     if "select" in ops:
         rows.append(bench_select(4, 1024 if quick else 32768, check_threads))
     if "sparse_attention" in ops:
