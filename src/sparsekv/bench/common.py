@@ -309,6 +309,15 @@ def layer_turns(layers: int) -> Iterator[int]:
     return itertools.cycle(range(layers))
 
 
+def time_layers_in_turn(call: Callable[[], object], nbytes: int, layers: int, peak: Callable[[], object],
+                        rounds: int = 9) -> tuple[float, dict[str, float], dict[str, float]]:
+    """:func:`time_against_peers` for a ``call`` that reads ``nbytes`` of the next of ``layers`` layers each
+    time (:func:`layer_turns`), against peers whose data lies where its own does: ``call`` on one thread, a
+    read of ``nbytes`` from ``layers`` spans in turn (:func:`read_peer`), and ``peak`` (operands in L1)."""
+    return time_against_peers({"ours": call, "1thread": one_thread(call), "read": read_peer(nbytes, slices=layers),
+                               "peak": peak}, rounds=rounds)
+
+
 def gather_peer(blocks: torch.Tensor, lookup_table: torch.Tensor, indices: torch.Tensor,
                 counts: torch.Tensor) -> Callable[[], object]:
     """A same-run ``read`` peer for sparse attention: the selected tokens' key and value rows of every KV head

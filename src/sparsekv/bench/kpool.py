@@ -33,7 +33,7 @@ from ..cache.pooled import make_pooled_collection
 from ..kernels.reference import kpool as reference
 from ..ops.kpool import kpool_pool_row_offsets, mla_kpool_compress, mla_kpool_score, plan_kpool_score
 from .common import (DTYPE_NAMES, BenchRow, copy_peer, layer_turns, one_thread, read_peer, threads_check,
-                     time_against_peers, time_interleaved)
+                     time_against_peers, time_interleaved, time_layers_in_turn)
 from .peak import tile_peak_peer
 
 HEAD_DIM, KPOOL, INDEX_HEADS, TOPK, PAGE_SIZE = 128, 4, 32, 2048, 64
@@ -120,10 +120,8 @@ def _score_row(batch: int, tokens: int, dtype: torch.dtype, rounds: int, check_t
         return BenchRow("mla_kpool_score", shape_text, DTYPE_NAMES[dtype], "cpu", time_ms, nbytes, peers,
                         paired=paired)
     peak = tile_peak_peer({dtype: batch * pools * INDEX_HEADS * HEAD_DIM})
-    if layers > 1:  # keys from memory: peers that read the same bytes from memory, or none from anywhere
-        ours_ms, times, paired = time_against_peers({
-            "ours": ours, "1thread": one_thread(ours), "read": read_peer(nbytes, slices=layers), "peak": peak},
-            rounds=rounds)
+    if layers > 1:
+        ours_ms, times, paired = time_layers_in_turn(ours, nbytes, layers, peak, rounds)
         return BenchRow("mla_kpool_score", shape_text, DTYPE_NAMES[dtype], "cpu", ours_ms, nbytes, times,
                         note=f"each call the next of {layers} layers ({blocks.numel() * elt / 1e6:.0f} MB of pages)",
                         paired=paired)

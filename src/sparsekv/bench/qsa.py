@@ -58,7 +58,7 @@ from ..ops.qsa import (plan_qsa_block_score_paged, qsa_block_score, qsa_block_sc
                        qsa_load_block_keys_paged, qsa_select_tokens, qsa_sparse_attention_paged,
                        qsa_store_block_keys_paged)
 from .common import (DTYPE_NAMES, PAGE_SIZE, BenchRow, backend, copy_peer, gather_peer, layer_turns, one_thread,
-                     random_paged_blocks, read_peer, threads_check, time_against_peers)
+                     random_paged_blocks, read_peer, threads_check, time_against_peers, time_layers_in_turn)
 from .peak import tile_peak_peer
 from .remote import RemotePeer, RemotePeerError, python_env
 
@@ -198,6 +198,8 @@ def bench_block_score(batch: int, keys: int, rows_per_seq: int, dtype: torch.dty
     the contiguous score as a peer (``contiguous``). ``layers`` > 1 (paged only): the cache holds that many
     layers, each call scores the next (a model's step: keys from memory once they pass the last-level
     cache), against one thread, a read of as many bytes from memory, and the peak."""
+    if layers > 1 and not paged:
+        raise ValueError(f"layers: expected 1 for the contiguous block score, got {layers}")
     generator = torch.Generator().manual_seed(1)
     max_blocks = keys // RATIO
     block_keys = torch.randn(batch * max_blocks, HEAD_DIM, generator=generator).to(dtype)
@@ -252,13 +254,10 @@ def bench_block_score(batch: int, keys: int, rows_per_seq: int, dtype: torch.dty
     if rows_per_seq != ROWS_PER_SEQUENCE:  # max_peer.py runs the decode shape only
         max_python = None
     shape = f"{kind}: B={batch} rows={rows_per_seq}/seq heads=4 blocks={max_blocks}" + (" plan.run" if paged else "")
-    if layers > 1:  # keys from memory: peers that read the same bytes from memory, or none from anywhere
+    if layers > 1:
         shape += f" {layers} layers in turn"
-        if check_threads:
-            ours, peers, paired = threads_check(call)
-        else:
-            ours, peers, paired = time_against_peers({"ours": call, "1thread": one_thread(call),
-                                                      "read": read_peer(nbytes, slices=layers), "peak": peak})
+        ours, peers, paired = (threads_check(call) if check_threads
+                               else time_layers_in_turn(call, nbytes, layers, peak))
         return BenchRow("qsa_block_score_paged", shape, DTYPE_NAMES[dtype], "cpu", ours, nbytes, peers,
                         f"each call the next of {layers} layers "
                         f"({block_blocks.numel() * block_blocks.element_size() / 1e6:.0f} MB of pages)", paired)
