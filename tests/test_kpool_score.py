@@ -446,6 +446,20 @@ def test_score_cpu_kernel_bits_do_not_depend_on_workers_or_prefetch(heads):
     assert_scores_close(outs[0], want)
 
 
+def test_last_level_cache_size_is_read_from_sysfs_or_assumed(tmp_path):
+    """The largest of the caches ``sysfs`` lists; 32 MiB where the listing is missing or unreadable."""
+    for index, size in (("index0", "48K"), ("index2", "1024K"), ("index3", "32768K"), ("index4", "2M")):
+        (tmp_path / index).mkdir()
+        (tmp_path / index / "size").write_text(size + "\n")
+    (tmp_path / "uevent").write_text("")
+    assert _paged_score._last_level_cache_bytes(str(tmp_path)) == 32 << 20
+    (tmp_path / "index4" / "size").write_text("96M\n")
+    assert _paged_score._last_level_cache_bytes(str(tmp_path)) == 96 << 20
+    assert _paged_score._last_level_cache_bytes(str(tmp_path / "missing")) == 32 << 20
+    (tmp_path / "index4" / "size").write_text("unknown\n")
+    assert _paged_score._last_level_cache_bytes(str(tmp_path)) == 32 << 20
+
+
 def test_score_plan_asks_further_ahead_when_a_step_reads_past_the_last_level_cache(monkeypatch):
     """Two pages ahead into L2 for pages under 16 KB once a step's reads over every layer (a layer's visible
     keys times the layers) exceed the last-level cache; else one for pages under 32 keys, none above."""

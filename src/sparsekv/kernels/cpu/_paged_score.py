@@ -77,12 +77,14 @@ FROM_MEMORY_PAGE_BYTES = 16 << 10
 (:func:`l2_pages_ahead`)."""
 
 
-def _last_level_cache_bytes() -> int:
-    """The largest CPU cache's size in bytes (Linux ``sysfs``; 32 MiB where it cannot be read)."""
+def _last_level_cache_bytes(root: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
+    """The largest CPU cache's size in bytes (Linux ``sysfs``: ``root/index*/size``, e.g. ``32768K``; 32 MiB
+    where it cannot be read)."""
     sizes = []
-    root = "/sys/devices/system/cpu/cpu0/cache"
     try:
         for index in os.listdir(root):
+            if not index.startswith("index"):  # e.g. ``uevent``
+                continue
             with open(os.path.join(root, index, "size")) as file:
                 text = file.read().strip().upper()
             scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
