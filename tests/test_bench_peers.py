@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from sparsekv.bench import common, kpool, qsa
-from sparsekv.bench.common import gather_peer, random_paged_blocks, read_peer
+from sparsekv.bench.common import gather_peer, random_paged_blocks
+from sparsekv.bench.page_read import page_read_peer
 from sparsekv.cache.layout import PagedKVCacheCollection
 
 
@@ -28,11 +30,24 @@ def test_gather_peer_copies_the_selected_key_and_value_rows_of_every_head():
     assert torch.equal(gathered, torch.cat(want))
 
 
-def test_read_peer_reads_its_spans_in_turn():
-    """``read_peer(nbytes, slices=3)``: each call sums the next of three random spans (three sums, repeating)."""
-    peer = read_peer(4096, slices=3)
-    sums = [float(peer()) for _ in range(4)]
-    assert len(set(sums[:3])) == 3 and sums[3] == sums[0]
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_page_read_peer_reads_the_keys_each_sequence_sees_where_they_lie_layer_by_layer(dtype):
+    """Each call sums (as int32 words) the next layer's keys of every sequence, page by page through the
+    lookup table: the sums of the same keys gathered by indexing, layers 0, 1, 2, 0."""
+    generator = torch.Generator().manual_seed(6)
+    pages, layers, per_page, dim = 7, 3, 4, 6
+    blocks = torch.randn(pages, 2, layers, per_page, 1, dim, generator=generator).to(dtype)
+    table = torch.tensor([[5, 0, 3], [6, 2, 1]], dtype=torch.int32)
+    seq_keys = [9, 4]  # three pages, the last holding one key; one whole page
+
+    def expected(layer: int) -> int:
+        keys = [blocks[int(table[b, k // per_page]), 0, layer, k % per_page] for b, n in enumerate(seq_keys)
+                for k in range(n)]
+        total = int(torch.stack(keys).reshape(-1).view(torch.int32).long().sum())
+        return (total + 2**31) % 2**32 - 2**31  # the peer's int32 sum wraps
+
+    peer = page_read_peer(blocks, table, seq_keys, layers)
+    assert [peer() for _ in range(4)] == [expected(layer) for layer in (0, 1, 2, 0)]
 
 
 def _spied_turns(seen: list[int]):
@@ -45,7 +60,7 @@ def _spied_turns(seen: list[int]):
 
 def test_layered_score_rows_score_each_layer_in_turn(monkeypatch):
     """The "layers in turn" rows: each call (ours, and ours on one thread) scores the next layer, as a model's
-    step does, against one thread, a read from as many spans as layers, and the peak."""
+    step does, against one thread, a read of the layer's pages where they lie, and the peak."""
     kpool_turns, qsa_turns = [], []
     monkeypatch.setattr(kpool, "layer_turns", _spied_turns(kpool_turns))
     monkeypatch.setattr(qsa, "layer_turns", _spied_turns(qsa_turns))

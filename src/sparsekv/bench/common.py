@@ -292,15 +292,13 @@ def copy_peer(nbytes: int, device: torch.device | str = "cpu") -> Callable[[], o
     return lambda: dst.copy_(src)
 
 
-def read_peer(nbytes: int, device: torch.device | str = "cpu", slices: int = 1) -> Callable[[], object]:
+def read_peer(nbytes: int, device: torch.device | str = "cpu") -> Callable[[], object]:
     """A same-run peer: the sum of ``nbytes`` bytes of float32 (reads them once, writes nothing): the time
-    to stream an op's bytes from wherever they lie at the machine's read bandwidth, on torch's threads.
-    With ``slices`` > 1, each call reads the next of ``slices`` such spans in turn, as an op whose calls
-    each read another layer's bytes (:func:`layer_turns`)."""
-    src = torch.randn(slices, max(1, nbytes // 4), device=device)
+    to stream an op's bytes from one span at the machine's read bandwidth, on torch's threads (an op over
+    pages reads them where they lie: :func:`.page_read.page_read_peer`, :func:`gather_peer`)."""
+    src = torch.randn(max(1, nbytes // 4), device=device)
     out = torch.empty((), device=device)
-    turns = layer_turns(slices)
-    return lambda: torch.sum(src[next(turns)], dim=0, out=out)
+    return lambda: torch.sum(src, dim=0, out=out)
 
 
 def layer_turns(layers: int) -> Iterator[int]:
@@ -309,13 +307,12 @@ def layer_turns(layers: int) -> Iterator[int]:
     return itertools.cycle(range(layers))
 
 
-def time_layers_in_turn(call: Callable[[], object], nbytes: int, layers: int, peak: Callable[[], object],
+def time_layers_in_turn(call: Callable[[], object], read: Callable[[], object], peak: Callable[[], object],
                         rounds: int = 9) -> tuple[float, dict[str, float], dict[str, float]]:
-    """:func:`time_against_peers` for a ``call`` that reads ``nbytes`` of the next of ``layers`` layers each
-    time (:func:`layer_turns`), against peers whose data lies where its own does: ``call`` on one thread, a
-    read of ``nbytes`` from ``layers`` spans in turn (:func:`read_peer`), and ``peak`` (operands in L1)."""
-    return time_against_peers({"ours": call, "1thread": one_thread(call), "read": read_peer(nbytes, slices=layers),
-                               "peak": peak}, rounds=rounds)
+    """:func:`time_against_peers` for a ``call`` that reads the next of a cache's layers each time
+    (:func:`layer_turns`), against peers whose data lies where its own does: ``call`` on one thread, ``read``
+    (the same layers' bytes in turn, e.g. :func:`.page_read.page_read_peer`), and ``peak`` (operands in L1)."""
+    return time_against_peers({"ours": call, "1thread": one_thread(call), "read": read, "peak": peak}, rounds=rounds)
 
 
 def gather_peer(blocks: torch.Tensor, lookup_table: torch.Tensor, indices: torch.Tensor,
@@ -362,8 +359,8 @@ def format_table(rows: list[BenchRow], load: LoadReport | None = None) -> str:
         legend.append("x1thread = our op on one thread / our op (above 1: the threads help)")
     if "roof" in peers:
         legend.append("xroof = max(read, peak) time / our time: the fraction of the roofline (the op's bytes read once "
-                      "at the machine's read bandwidth, or for sparse attention gathered where they lie; the "
-                      "multiply-adds at the tile's peak) reached")
+                      "at the machine's read bandwidth, or for ops over pages read where they lie: sparse attention's "
+                      "gathered rows, the paged scores' page runs; the multiply-adds at the tile's peak) reached")
     if load is not None:
         legend.append(load.describe())
     return "\n".join(lines + legend)

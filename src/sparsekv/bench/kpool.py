@@ -5,7 +5,8 @@ requests of 8192 and 32768 tokens; bf16 and fp32. Peers measured in the same
 run: our op on one thread (``x1thread``: above 1 when the threads help), the
 reference kernel (``xreference``: how many times faster the fast path is), a
 torch copy of the same bytes (``xcopy``: our GB/s over the copy's) and, for
-score, a read of the same bytes and the same multiply-adds at the register
+score, a read of the same pooled keys where they lie in the pages
+(:mod:`.page_read`) and the same multiply-adds at the register
 tile's peak (``xpeak``: the fraction of the peak reached, :mod:`.peak`;
 ``xroof``: of the longer of the two, :meth:`.common.BenchRow.ratios`).
 
@@ -20,7 +21,7 @@ tile's peak (``xpeak``: the fraction of the peak reached, :mod:`.peak`;
   (plan and run in each call) against it, and the note gives the plan's own
   time. The last row scores 16 layers' pages one layer a call, as a model's
   step does, so that each call's keys come from memory (against a read of
-  as many bytes from memory, the peak and one thread); the others repeat one
+  that layer's pages, the peak and one thread); the others repeat one
   layer, whose keys stay in the last-level cache.
 """
 
@@ -32,8 +33,9 @@ from ..cache.memory import allocate_pages
 from ..cache.pooled import make_pooled_collection
 from ..kernels.reference import kpool as reference
 from ..ops.kpool import kpool_pool_row_offsets, mla_kpool_compress, mla_kpool_score, plan_kpool_score
-from .common import (DTYPE_NAMES, BenchRow, copy_peer, layer_turns, one_thread, read_peer, threads_check,
+from .common import (DTYPE_NAMES, BenchRow, copy_peer, layer_turns, one_thread, threads_check,
                      time_against_peers, time_interleaved, time_layers_in_turn)
+from .page_read import page_read_peer
 from .peak import tile_peak_peer
 
 HEAD_DIM, KPOOL, INDEX_HEADS, TOPK, PAGE_SIZE = 128, 4, 32, 2048, 64
@@ -120,8 +122,9 @@ def _score_row(batch: int, tokens: int, dtype: torch.dtype, rounds: int, check_t
         return BenchRow("mla_kpool_score", shape_text, DTYPE_NAMES[dtype], "cpu", time_ms, nbytes, peers,
                         paired=paired)
     peak = tile_peak_peer({dtype: batch * pools * INDEX_HEADS * HEAD_DIM})
+    read = page_read_peer(blocks, table, [pools] * batch, layers)  # the pools each row sees, where they lie
     if layers > 1:
-        ours_ms, times, paired = time_layers_in_turn(ours, nbytes, layers, peak, rounds)
+        ours_ms, times, paired = time_layers_in_turn(ours, read, peak, rounds)
         return BenchRow("mla_kpool_score", shape_text, DTYPE_NAMES[dtype], "cpu", ours_ms, nbytes, times,
                         note=f"each call the next of {layers} layers ({blocks.numel() * elt / 1e6:.0f} MB of pages)",
                         paired=paired)
@@ -134,7 +137,7 @@ def _score_row(batch: int, tokens: int, dtype: torch.dtype, rounds: int, check_t
         "reference": lambda: reference.mla_kpool_score(ref_out, q, weights, blocks, cache.lookup_table, positions,
                                                        offsets, KPOOL, 0),
         "copy": copy_peer(nbytes),
-        "read": read_peer(nbytes),
+        "read": read,
         "peak": peak}, rounds=rounds)
     err = float(((out - ref_out).abs().max() / ref_out.abs().max().clamp_min(1e-30)))
     return BenchRow("mla_kpool_score", shape_text, DTYPE_NAMES[dtype], "cpu", ours_ms, nbytes, times,

@@ -34,8 +34,10 @@ runs during our turns too.
 The paged block score's rows repeat one layer, whose keys stay in the
 last-level cache up to 8192 blocks; its last row scores 16 layers' pages one
 layer a call, as a model's step does, so that each call's keys come from
-memory (against one thread, a read of as many bytes from memory, and the
-peak). Page storage is allocated as the cache manager allocates it
+memory (against one thread, a read of that layer's pages where they lie,
+:mod:`.page_read`, and the peak). The paged rows' ``read`` peer reads their
+keys in the pages, page by page, where the contiguous rows read as many
+bytes in one span. Page storage is allocated as the cache manager allocates it
 (:func:`sparsekv.cache.allocate_pages`).
 """
 
@@ -59,6 +61,7 @@ from ..ops.qsa import (plan_qsa_block_score_paged, qsa_block_score, qsa_block_sc
                        qsa_store_block_keys_paged)
 from .common import (DTYPE_NAMES, PAGE_SIZE, BenchRow, backend, copy_peer, gather_peer, layer_turns, one_thread,
                      random_paged_blocks, read_peer, threads_check, time_against_peers, time_layers_in_turn)
+from .page_read import page_read_peer
 from .peak import tile_peak_peer
 from .remote import RemotePeer, RemotePeerError, python_env
 
@@ -197,7 +200,7 @@ def bench_block_score(batch: int, keys: int, rows_per_seq: int, dtype: torch.dty
     ``qsa_block_score_paged``'s plan (``plan.run``, a layer's call; the one-shot op is the ``op`` peer), with
     the contiguous score as a peer (``contiguous``). ``layers`` > 1 (paged only): the cache holds that many
     layers, each call scores the next (a model's step: keys from memory once they pass the last-level
-    cache), against one thread, a read of as many bytes from memory, and the peak."""
+    cache), against one thread, a read of that layer's pages where they lie, and the peak."""
     if layers > 1 and not paged:
         raise ValueError(f"layers: expected 1 for the contiguous block score, got {layers}")
     generator = torch.Generator().manual_seed(1)
@@ -250,6 +253,8 @@ def bench_block_score(batch: int, keys: int, rows_per_seq: int, dtype: torch.dty
     nbytes = q.numel() * q.element_size() + batch * visible * HEAD_DIM * block_keys.element_size() + out.numel() * 4
     seen = ((positions.long() + 1) // RATIO).clamp(0, max_blocks)  # blocks each row scores
     kind = "decode" if rows_per_seq <= ROWS_PER_SEQUENCE else "prefill chunk"
+    read = (page_read_peer(block_blocks, table.view(batch, -1), seen.view(batch, -1).amax(1).tolist(), layers)
+            if paged else read_peer(nbytes))  # paged: the keys each sequence's rows see, read where they lie
     peak = tile_peak_peer({dtype: int(seen.sum()) * INDEX_HEADS * HEAD_DIM})
     if rows_per_seq != ROWS_PER_SEQUENCE:  # max_peer.py runs the decode shape only
         max_python = None
@@ -257,13 +262,13 @@ def bench_block_score(batch: int, keys: int, rows_per_seq: int, dtype: torch.dty
     if layers > 1:
         shape += f" {layers} layers in turn"
         ours, peers, paired = (threads_check(call) if check_threads
-                               else time_layers_in_turn(call, nbytes, layers, peak))
+                               else time_layers_in_turn(call, read, peak))
         return BenchRow("qsa_block_score_paged", shape, DTYPE_NAMES[dtype], "cpu", ours, nbytes, peers,
                         f"each call the next of {layers} layers "
                         f"({block_blocks.numel() * block_blocks.element_size() / 1e6:.0f} MB of pages)", paired)
     with max_peer(max_python, "block_score", batch, keys, dtype, threads) as peer:
         ours, peers, paired = _time_with_peers(call, peer, check_threads=check_threads, copy=copy_peer(nbytes),
-                                               read=read_peer(nbytes), peak=peak, **extra_peers)
+                                               read=read, peak=peak, **extra_peers)
     return BenchRow("qsa_block_score_paged" if paged else "qsa_block_score", shape, DTYPE_NAMES[dtype], "cpu", ours,
                     nbytes, peers, _max_note(peer, peers), paired)
 
