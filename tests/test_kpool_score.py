@@ -461,7 +461,7 @@ def test_last_level_cache_size_is_read_from_sysfs_or_assumed(tmp_path):
 
 
 def test_score_plan_asks_further_ahead_when_a_step_reads_past_the_last_level_cache(monkeypatch):
-    """Two pages ahead into L2 for pages under 16 KB once a step's reads over every layer (a layer's visible
+    """Two whole pages ahead for pages under 16 KB once a step's reads over every layer (a layer's visible
     keys times the layers) exceed the last-level cache; else one for pages under 32 keys, none above."""
     assert _paged_score.LAST_LEVEL_CACHE_BYTES >= 1 << 20
     monkeypatch.setattr(_paged_score, "LAST_LEVEL_CACHE_BYTES", 64 << 10)

@@ -59,22 +59,22 @@ def visible_keys(positions, offsets, ratio, out_cols):
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _prefetch_page(cache, table, b, key, num_keys, page_stride, base, per_page, dim, most, from_l2):
+def _prefetch_page(cache, table, b, key, num_keys, page_stride, base, per_page, dim, most):
     """Ask for up to ``most`` of sequence ``b``'s keys from ``key`` to the end of its page (none at or past
-    ``num_keys``, whose pages are validated), into L2 and beyond with ``from_l2``, else into L1 too."""
+    ``num_keys``, whose pages are validated), into every cache level."""
     if key < num_keys:
         slot = key % per_page
         start = table[b, key // per_page] * page_stride + base + slot * dim
-        prefetch_span(cache, start, min(most, per_page - slot, num_keys - key) * dim, from_l2)
+        prefetch_span(cache, start, min(most, per_page - slot, num_keys - key) * dim)
 
 
 SMALL_PAGE_KEYS = 32
 """With the keys likely in the last-level cache, pages of fewer keys than this have the page after the next one
-asked for too (:func:`l2_pages_ahead`)."""
+asked for too (:func:`whole_pages_ahead`)."""
 
 FROM_MEMORY_PAGE_BYTES = 16 << 10
 """With the keys likely in memory, pages of fewer bytes than this have the two pages after the next one asked for
-(:func:`l2_pages_ahead`)."""
+(:func:`whole_pages_ahead`)."""
 
 
 def _last_level_cache_bytes(root: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
@@ -97,8 +97,8 @@ def _last_level_cache_bytes(root: str = "/sys/devices/system/cpu/cpu0/cache") ->
 LAST_LEVEL_CACHE_BYTES = _last_level_cache_bytes()
 
 
-def l2_pages_ahead(per_page: int, page_bytes: int, step_bytes: int) -> int:
-    """How many whole pages after the next one the kernel asks into L2 while it scores a page (0-2).
+def whole_pages_ahead(per_page: int, page_bytes: int, step_bytes: int) -> int:
+    """How many whole pages after the next one the kernel asks for while it scores a page (0-2).
 
     ``step_bytes`` is what a model step reads over every layer of the cache (a layer's visible keys times
     the layers): above the last-level cache, each layer's keys come from memory, evicted by the others'
@@ -109,7 +109,11 @@ def l2_pages_ahead(per_page: int, page_bytes: int, step_bytes: int) -> int:
     the k-pool score over 4 KB pages 0.61 -> 0.62 (fp32 8 KB pages 0.58 -> 0.59-0.60), 16 KB pages none
     better; keys in the last-level cache, the same two pages cost 2-10% (their requests only add work).
     One page ahead, earlier, keys out of the caches: pages of 16 keys 0.52-0.63 -> 0.63-0.68 of the one-thread
-    peak in bf16, fp32 0.52-0.58 -> 0.63-0.70; pages of 32 or 64 keys 1.00-1.06x faster without it."""
+    peak in bf16, fp32 0.52-0.58 -> 0.63-0.70; pages of 32 or 64 keys 1.00-1.06x faster without it. Those
+    pages were asked into L2 only (``PREFETCHT1``) until asking into every level measured better: QSA bf16
+    8 KB pages from memory 0.47-0.54 -> 0.49-0.57 of the peak (8192 blocks x 16 layers; 3-8% in each round
+    set) and 0.44-0.46 -> 0.46-0.49 (32768 x 8); the k-pool score's 4 KB pages the same within the spread, in
+    memory or the L3."""
     if step_bytes > LAST_LEVEL_CACHE_BYTES:
         return 2 if page_bytes < FROM_MEMORY_PAGE_BYTES else 0
     return 1 if per_page < SMALL_PAGE_KEYS else 0
@@ -118,8 +122,8 @@ def l2_pages_ahead(per_page: int, page_bytes: int, step_bytes: int) -> int:
 @numba.njit(cache=True, nogil=True, inline="always")
 def _prefetch_ahead(cache, table, b, key, num_keys, page_stride, base, per_page, dim, pages_ahead):
     """Ask for keys of the pages from ``key`` (the start of the page after the one being scored) while this
-    one computes: the next page's first tile into L1 and the ``pages_ahead`` whole pages after it into L2
-    (:func:`l2_pages_ahead`).
+    one computes: the next page's first tile and the ``pages_ahead`` whole pages after it
+    (:func:`whole_pages_ahead`).
 
     Pages lie anywhere, so the hardware prefetcher cannot run ahead from one to the next, nor can a
     tile's prefetch of the next tile's keys (:func:`._tile_ops.dots_of_rows`, which asks for the rest
@@ -127,10 +131,10 @@ def _prefetch_ahead(cache, table, b, key, num_keys, page_stride, base, per_page,
     reads each layer's keys, once a step): the whole next page was worth 13-15% of a bf16 decode call;
     its first tile alone, the tiles asking for the rest as before, ran the same or 2-13% faster (pages
     of 32 keys: the rest had been asked for twice)."""
-    _prefetch_page(cache, table, b, key, num_keys, page_stride, base, per_page, dim, KEYS_PER_TILE, False)
+    _prefetch_page(cache, table, b, key, num_keys, page_stride, base, per_page, dim, KEYS_PER_TILE)
     for ahead in range(1, pages_ahead + 1):
         _prefetch_page(cache, table, b, key + ahead * per_page, num_keys, page_stride, base, per_page, dim,
-                       per_page, True)
+                       per_page)
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
@@ -147,7 +151,7 @@ def _paged_score_kernel(scores, q, head_weights, cache, page_stride, base, per_p
     cold after a layer's other work).
 
     Each group of a task's rows runs over the chunk's keys it sees (none: the group is skipped), page by
-    page, while the next pages are prefetched (:func:`_prefetch_ahead`, ``pages_ahead`` whole pages into L2).
+    page, while the next pages are prefetched (:func:`_prefetch_ahead`, ``pages_ahead`` whole pages).
     ``q_t[group]`` holds a row group's queries transposed, ``[D, lanes]``, zero padding lanes. ``threads``
     workers take the tasks in runs as they go (:func:`._parallel.claim_tasks`), each with one set of scratch.
     """
@@ -252,7 +256,7 @@ class PagedScorePlan:
     """A paged score's query rows over one key cache, set up once and run for any of its layers: the keys each
     row sees (:func:`visible_keys` of the rows' positions and offsets, ``ratio`` tokens per key, at most
     ``out_cols``), the keys as the kernel reads them (:func:`paged_keys`), ``divisor``, and how far ahead the
-    kernel asks for pages (:func:`l2_pages_ahead`, from what a step reads over the cache's layers).
+    kernel asks for pages (:func:`whole_pages_ahead`, from what a step reads over the cache's layers).
 
     Pages are checked when the plan is made (an early error) and again by each run, in the kernel's own
     call, against the lookup table's values as they are then (the table may change between runs: a plan
@@ -272,7 +276,7 @@ class PagedScorePlan:
         self.keys, self.key_dtype = paged_keys(blocks), blocks.dtype
         self.visible, self.seq_keys, self.total_visible = visible_keys(self.positions, self.offsets, ratio, out_cols)
         key_bytes = blocks.shape[-1] * blocks.element_size()
-        self.pages_ahead = l2_pages_ahead(self.keys.per_page, self.keys.per_page * key_bytes,
+        self.pages_ahead = whole_pages_ahead(self.keys.per_page, self.keys.per_page * key_bytes,
                                           int(self.seq_keys.sum()) * key_bytes * blocks.shape[2])
         seq, key = first_missing_page(self.table, self.keys.num_pages, self.keys.per_page, self.seq_keys)
         if seq >= 0:

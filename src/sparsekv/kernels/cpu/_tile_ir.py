@@ -34,7 +34,7 @@ multiply-add each, bf16 values widened in registers), :func:`transpose_block`
 (an 8 x 16 shuffle network), :func:`relu_head_sums_block` (a score tile's ReLU
 sum over heads, in registers) and :func:`add_block_squares` (the same network
 summing the squares of 16 rows at once, in channel order), and
-:func:`prefetch_element` (:func:`prefetch_element_from_l2`: into L2, not L1).
+:func:`prefetch_element`.
 :mod:`._tile_ops` runs them over whole arrays.
 """
 
@@ -136,8 +136,6 @@ def _splat(builder, value, kind):
 
 PREFETCH_KEEP_EVERYWHERE = 3
 """``llvm.prefetch`` locality: 0 (use once, keep in no cache) .. 3 (keep in every cache level)."""
-PREFETCH_KEEP_FROM_L2 = 2
-"""``llvm.prefetch`` locality 2 (x86 ``PREFETCHT1``): into L2 and the levels beyond it, not L1."""
 CACHE_LINE = 64  # bytes
 
 
@@ -746,11 +744,3 @@ def _prefetch_element_typing(array, index, locality: int):
 def prefetch_element(typingctx, array, index):
     """Ask for the cache line of ``array[index]`` (into every cache level); never faults."""
     return _prefetch_element_typing(array, index, PREFETCH_KEEP_EVERYWHERE)
-
-
-@intrinsic
-def prefetch_element_from_l2(typingctx, array, index):
-    """Ask for the cache line of ``array[index]`` into L2 and beyond, not L1 (``PREFETCHT1``); never faults.
-    For data read a microsecond or more later (the paged score's page after the next one: measured in
-    :func:`._paged_score._prefetch_ahead`)."""
-    return _prefetch_element_typing(array, index, PREFETCH_KEEP_FROM_L2)

@@ -36,7 +36,7 @@ from numba.extending import overload
 
 from ._bits import widen
 from ._tile_ir import (CACHE_LINE, KEYS_PER_TILE, SQUARE_SUM_ROWS, VECTOR, WEIGHTED_CHANNELS, add_block_squares,
-                       dot_tile, prefetch_element, prefetch_element_from_l2, transpose_block, weighted_rows_tile_4,
+                       dot_tile, prefetch_element, transpose_block, weighted_rows_tile_4,
                        weighted_rows_tile_8, weighted_rows_tile_12)
 
 KEYS_PER_TASK = 128
@@ -223,16 +223,11 @@ GATHER_AHEAD = 8
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def prefetch_span(flat, start, count, from_l2=False):
-    """Ask for the cache lines of ``flat[start : start + count]`` (1-d; never faults), into every cache level,
-    or with ``from_l2`` into L2 and beyond (:func:`._tile_ir.prefetch_element_from_l2`)."""
+def prefetch_span(flat, start, count):
+    """Ask for the cache lines of ``flat[start : start + count]`` (1-d; never faults), into every cache level."""
     step = max(1, CACHE_LINE // flat.itemsize)
-    if from_l2:
-        for offset in range(0, count, step):
-            prefetch_element_from_l2(flat, start + offset)
-    else:
-        for offset in range(0, count, step):
-            prefetch_element(flat, start + offset)
+    for offset in range(0, count, step):
+        prefetch_element(flat, start + offset)
 
 
 @numba.njit(cache=True, nogil=True)
