@@ -111,9 +111,9 @@ def whole_pages_ahead(per_page: int, page_bytes: int, step_bytes: int) -> int:
     One page ahead, earlier, keys out of the caches: pages of 16 keys 0.52-0.63 -> 0.63-0.68 of the one-thread
     peak in bf16, fp32 0.52-0.58 -> 0.63-0.70; pages of 32 or 64 keys 1.00-1.06x faster without it. Those
     pages were asked into L2 only (``PREFETCHT1``) until asking into every level measured better: QSA bf16
-    8 KB pages from memory 0.47-0.54 -> 0.49-0.57 of the peak (8192 blocks x 16 layers; 3-8% in each round
-    set) and 0.44-0.46 -> 0.46-0.49 (32768 x 8); the k-pool score's 4 KB pages the same within the spread, in
-    memory or the L3."""
+    8 KB pages from memory 0.52-0.54 -> 0.54-0.59 of the peak against the committed kernel (8192 blocks x 16
+    layers; 3-10% in each set of rounds, 0.47-0.54 -> 0.49-0.57 in an earlier set) and 0.44-0.46 -> 0.46-0.49
+    (32768 x 8); the k-pool score's 4 KB pages the same within the spread, in memory or the L3."""
     if step_bytes > LAST_LEVEL_CACHE_BYTES:
         return 2 if page_bytes < FROM_MEMORY_PAGE_BYTES else 0
     return 1 if per_page < SMALL_PAGE_KEYS else 0
@@ -277,7 +277,7 @@ class PagedScorePlan:
         self.visible, self.seq_keys, self.total_visible = visible_keys(self.positions, self.offsets, ratio, out_cols)
         key_bytes = blocks.shape[-1] * blocks.element_size()
         self.pages_ahead = whole_pages_ahead(self.keys.per_page, self.keys.per_page * key_bytes,
-                                          int(self.seq_keys.sum()) * key_bytes * blocks.shape[2])
+                                             int(self.seq_keys.sum()) * key_bytes * blocks.shape[2])
         seq, key = first_missing_page(self.table, self.keys.num_pages, self.keys.per_page, self.seq_keys)
         if seq >= 0:
             raise self.page_error(seq, key)
