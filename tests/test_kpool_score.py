@@ -417,12 +417,13 @@ def test_score_cpu_many_pools_and_rows_equals_reference_and_rows_alone(dtype, he
         assert torch.equal(alone[0], got[r]), f"row {r} scored alone differs from the batched call"
 
 
-@pytest.mark.parametrize("heads", [3, 32])
-def test_score_cpu_kernel_bits_do_not_depend_on_workers_or_prefetch(heads):
+@pytest.mark.parametrize(("heads", "per_page"), [(3, 8), (32, 8), (3, 13)])
+def test_score_cpu_kernel_bits_do_not_depend_on_workers_or_prefetch(heads, per_page):
     """The paged kernel's tasks taken as they go by 1, 2 or 5 workers (more than the threads there are), asking
-    for 0-3 pages ahead (past the sequences' last pages too): the same bits, and the reference's values."""
-    gen = torch.Generator().manual_seed(7 + heads)
-    kpool, per_page, dim = 4, 8, 48
+    for keys 0-3 pages ahead (past the sequences' last pages too; 13-key pages: a partial tile's keys asked for
+    apart): the same bits, and the reference's values."""
+    gen = torch.Generator().manual_seed(7 + heads + per_page)
+    kpool, dim = 4, 48
     seq_lengths = [4 * 700, 4 * 333 + 3]
     pooled_keys = [torch.randn(n // kpool, dim, generator=gen).to(torch.bfloat16) for n in seq_lengths]
     blocks, table = fill_pooled_cache(pooled_keys, kpool, per_page, layer=0, num_layers=1, gen=gen)
@@ -446,35 +447,17 @@ def test_score_cpu_kernel_bits_do_not_depend_on_workers_or_prefetch(heads):
     assert_scores_close(outs[0], want)
 
 
-def test_last_level_cache_size_is_read_from_sysfs_or_assumed(tmp_path):
-    """The largest of the caches ``sysfs`` lists; 32 MiB where the listing is missing or unreadable."""
-    for index, size in (("index0", "48K"), ("index2", "1024K"), ("index3", "32768K"), ("index4", "2M")):
-        (tmp_path / index).mkdir()
-        (tmp_path / index / "size").write_text(size + "\n")
-    (tmp_path / "uevent").write_text("")
-    assert _paged_score._last_level_cache_bytes(str(tmp_path)) == 32 << 20
-    (tmp_path / "index4" / "size").write_text("96M\n")
-    assert _paged_score._last_level_cache_bytes(str(tmp_path)) == 96 << 20
-    assert _paged_score._last_level_cache_bytes(str(tmp_path / "missing")) == 32 << 20
-    (tmp_path / "index4" / "size").write_text("unknown\n")
-    assert _paged_score._last_level_cache_bytes(str(tmp_path)) == 32 << 20
-
-
-def test_score_plan_asks_further_ahead_when_a_step_reads_past_the_last_level_cache(monkeypatch):
-    """Two whole pages ahead for pages under 16 KB once a step's reads over every layer (a layer's visible
-    keys times the layers) exceed the last-level cache; else one for pages under 32 keys, none above."""
-    assert _paged_score.LAST_LEVEL_CACHE_BYTES >= 1 << 20
-    monkeypatch.setattr(_paged_score, "LAST_LEVEL_CACHE_BYTES", 64 << 10)
+def test_score_plan_asks_at_least_a_page_and_keys_ahead_further_on():
+    """The plan's tiles ask for the page ``ceil(KEYS_AHEAD / per_page)`` pages on, at least the next one."""
     gen = torch.Generator().manual_seed(3)
-    kpool, dim, pools = 4, 64, 200  # bf16: 25.6 KB a layer
+    kpool, dim, pools = 4, 64, 200
     positions, offsets = torch.tensor([4 * pools - 1], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32)
-    for per_page, layers, dtype, ahead in [(16, 4, torch.bfloat16, 2), (16, 2, torch.bfloat16, 1),
-                                           (32, 2, torch.bfloat16, 0), (32, 4, torch.bfloat16, 2),
-                                           (64, 4, torch.float32, 0), (16, 4, torch.float32, 2)]:
-        keys = [torch.randn(pools, dim, generator=gen).to(dtype)]
-        blocks, table = fill_pooled_cache(keys, kpool, per_page, layer=0, num_layers=layers, gen=gen)
+    assert _paged_score.KEYS_AHEAD == 32
+    for per_page, ahead in [(5, 7), (16, 2), (32, 1), (64, 1)]:
+        keys = [torch.randn(pools, dim, generator=gen).to(torch.bfloat16)]
+        blocks, table = fill_pooled_cache(keys, kpool, per_page, layer=0, num_layers=2, gen=gen)
         plan = cpu.ScorePlan(blocks, table, positions, offsets, kpool, pools)
-        assert plan.pages_ahead == ahead, (per_page, layers, dtype)
+        assert plan.pages_ahead == ahead, per_page
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu"])

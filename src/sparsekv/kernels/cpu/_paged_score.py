@@ -10,13 +10,13 @@ for the keys each row sees, ``g < min((t+1) // ratio, out_cols)``
 (:func:`visible_keys`), ``-inf`` elsewhere; without weights each term is
 ``relu(...)`` alone (the QSA block score, divided by its ``score_scale``).
 One task per (sequence, chunk of 128 keys): the chunk's keys are read in
-place, page by page, through the page table (bf16 as bits, no copy; the next
-page prefetched), by each group of the sequence's rows in register tiles
-(:mod:`._tile_ops`: every dot product the same chain in a fixed channel
-order; bf16 pairs through ``VDPBF16PS``), then relu and the sum over heads in
-head order, on the tiles in registers (:func:`._score_tasks.write_group_scores`;
-for GLM's 32 heads 0.51 -> 0.36 us per 128 pools against summing over the
-transposed dots). So a row's scores do not depend on the rows that share the
+place, page by page, through the page table (bf16 as bits, no copy; each
+tile asks for the keys a page or more on), by each group of the sequence's
+rows in register tiles (:mod:`._tile_ops`: every dot product the same chain
+in a fixed channel order; bf16 pairs through ``VDPBF16PS``), then relu and
+the sum over heads in head order, on the tiles in registers
+(:func:`._score_tasks.write_group_scores`; for GLM's 32 heads 0.51 -> 0.36
+us per 128 pools against summing over the transposed dots). So a row's scores do not depend on the rows that share the
 call (BLAS does not promise that), nothing is gathered into a copy first, and
 a QSA block score from the pages equals the one over contiguous block keys
 bit for bit (the same tiles and epilogue, the same keys).
@@ -24,7 +24,6 @@ bit for bit (the same tiles and epilogue, the same keys).
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import numba
@@ -58,83 +57,43 @@ def visible_keys(positions, offsets, ratio, out_cols):
     return visible, needed, total
 
 
-@numba.njit(cache=True, nogil=True, inline="always")
-def _prefetch_page(cache, table, b, key, num_keys, page_stride, base, per_page, dim, most):
-    """Ask for up to ``most`` of sequence ``b``'s keys from ``key`` to the end of its page (none at or past
-    ``num_keys``, whose pages are validated), into every cache level."""
-    if key < num_keys:
-        slot = key % per_page
-        start = table[b, key // per_page] * page_stride + base + slot * dim
-        prefetch_span(cache, start, min(most, per_page - slot, num_keys - key) * dim)
+KEYS_AHEAD = 32
+"""The fewest keys ahead of those it scores that the paged score asks for (:func:`prefetch_pages_ahead`)."""
 
 
-SMALL_PAGE_KEYS = 32
-"""With the keys likely in the last-level cache, pages of fewer keys than this have the page after the next one
-asked for too (:func:`whole_pages_ahead`)."""
+def prefetch_pages_ahead(per_page: int) -> int:
+    """How many pages on from the one it scores the paged score asks for keys: at least ``KEYS_AHEAD`` keys
+    and one page further.
 
-FROM_MEMORY_PAGE_BYTES = 16 << 10
-"""With the keys likely in memory, pages of fewer bytes than this have the two pages after the next one asked for
-(:func:`whole_pages_ahead`)."""
-
-
-def _last_level_cache_bytes(root: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
-    """The largest CPU cache's size in bytes (Linux ``sysfs``: ``root/index*/size``, e.g. ``32768K``; 32 MiB
-    where it cannot be read)."""
-    sizes = []
-    try:
-        for index in os.listdir(root):
-            if not index.startswith("index"):  # e.g. ``uevent``
-                continue
-            with open(os.path.join(root, index, "size")) as file:
-                text = file.read().strip().upper()
-            scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-            sizes.append(int(text.rstrip("KMG")) * scale)
-    except (OSError, ValueError):
-        return 32 << 20
-    return max(sizes, default=32 << 20)
-
-
-LAST_LEVEL_CACHE_BYTES = _last_level_cache_bytes()
-
-
-def whole_pages_ahead(per_page: int, page_bytes: int, step_bytes: int) -> int:
-    """How many whole pages after the next one the kernel asks for while it scores a page (0-2).
-
-    ``step_bytes`` is what a model step reads over every layer of the cache (a layer's visible keys times
-    the layers): above the last-level cache, each layer's keys come from memory, evicted by the others'
-    reads, and pages under ``FROM_MEMORY_PAGE_BYTES`` get two pages of requests in flight; else (keys in
-    the last-level cache) pages under ``SMALL_PAGE_KEYS`` keys get one. Measured against the kernel alone's
-    same-run peak (two threads, bf16 unless said; docs/benchmarks.md): keys out of the caches, 8-16 layers
-    rotating, QSA block score over 8 KB pages 0.47 -> 0.53-0.54 of the peak (one page ahead: 0-3%),
-    the k-pool score over 4 KB pages 0.61 -> 0.62 (fp32 8 KB pages 0.58 -> 0.59-0.60), 16 KB pages none
-    better; keys in the last-level cache, the same two pages cost 2-10% (their requests only add work).
-    One page ahead, earlier, keys out of the caches: pages of 16 keys 0.52-0.63 -> 0.63-0.68 of the one-thread
-    peak in bf16, fp32 0.52-0.58 -> 0.63-0.70; pages of 32 or 64 keys 1.00-1.06x faster without it. Those
-    pages were asked into L2 only (``PREFETCHT1``) until asking into every level measured better: QSA bf16
-    8 KB pages from memory 0.52-0.54 -> 0.54-0.59 of the peak against the committed kernel (8192 blocks x 16
-    layers; 3-10% in each set of rounds, 0.47-0.54 -> 0.49-0.57 in an earlier set) and 0.44-0.46 -> 0.46-0.49
-    (32768 x 8); the k-pool score's 4 KB pages the same within the spread, in memory or the L3."""
-    if step_bytes > LAST_LEVEL_CACHE_BYTES:
-        return 2 if page_bytes < FROM_MEMORY_PAGE_BYTES else 0
-    return 1 if per_page < SMALL_PAGE_KEYS else 0
+    Pages lie anywhere, so the hardware prefetcher cannot run ahead from one page to the next; each tile
+    of a page asks for the same slots of that later page while it computes, one cache line per channel
+    step (:func:`._tile_ops.dots_of_rows`). That measured better than whole pages asked for in a burst as
+    each page began (a core keeps a few dozen misses in flight, and the products waited behind the rest),
+    against the kernel alone's same-run peak, two threads (docs/benchmarks.md): keys from memory, 16
+    layers in turn, the QSA block score's 8 KB pages bf16 0.57-0.60 -> 0.69-0.72 of the peak, fp32
+    0.50-0.58 -> 0.69-0.74, 32768 blocks x 8 layers 0.53-0.56 -> 0.62-0.67, the k-pool score's 4 KB pages
+    bf16 0.66-0.68 -> 0.75-0.76; keys in the L3 the same within 2% (QSA) or better (k-pool 0.75-0.77 ->
+    0.77-0.80). 1 to 4 pages of 32 keys ahead measured alike; 64 keys ahead of 16-key pages 1-3% slower
+    than 16 or 32.
+    """
+    return max(1, -(-KEYS_AHEAD // per_page))
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _prefetch_ahead(cache, table, b, key, num_keys, page_stride, base, per_page, dim, pages_ahead):
-    """Ask for keys of the pages from ``key`` (the start of the page after the one being scored) while this
-    one computes: the next page's first tile and the ``pages_ahead`` whole pages after it
-    (:func:`whole_pages_ahead`).
-
-    Pages lie anywhere, so the hardware prefetcher cannot run ahead from one to the next, nor can a
-    tile's prefetch of the next tile's keys (:func:`._tile_ops.dots_of_rows`, which asks for the rest
-    of a page). Measured against the kernel alone's peak with the keys out of the caches (as a model
-    reads each layer's keys, once a step): the whole next page was worth 13-15% of a bf16 decode call;
-    its first tile alone, the tiles asking for the rest as before, ran the same or 2-13% faster (pages
-    of 32 keys: the rest had been asked for twice)."""
-    _prefetch_page(cache, table, b, key, num_keys, page_stride, base, per_page, dim, KEYS_PER_TILE)
-    for ahead in range(1, pages_ahead + 1):
-        _prefetch_page(cache, table, b, key + ahead * per_page, num_keys, page_stride, base, per_page, dim,
-                       per_page)
+def _rows_to_page_ahead(cache, table, b, key, run, num_keys, page, start, page_stride, per_page, dim, pages_ahead):
+    """How many key rows from ``start`` (key ``key`` of sequence ``b``, in page ``page``) to the same slot
+    ``pages_ahead`` pages on, for the tiles to ask for (``KEYS_PER_TILE``, the next tile, where that key is
+    past the ``num_keys`` whose pages are validated). The keys of the run's partial tile, which the tiles
+    do not read in place, are asked for here. Rounded down to whole rows (a page stride that is not whole
+    keys asks for lines up to a key early)."""
+    far_key = key + pages_ahead * per_page
+    if far_key >= num_keys or dim == 0:
+        return KEYS_PER_TILE
+    ahead_rows = (table[b, far_key // per_page] - page) * page_stride // dim
+    partial = run % KEYS_PER_TILE
+    if partial:
+        prefetch_span(cache, start + (ahead_rows + run - partial) * dim, partial * dim)
+    return ahead_rows
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
@@ -151,7 +110,7 @@ def _paged_score_kernel(scores, q, head_weights, cache, page_stride, base, per_p
     cold after a layer's other work).
 
     Each group of a task's rows runs over the chunk's keys it sees (none: the group is skipped), page by
-    page, while the next pages are prefetched (:func:`_prefetch_ahead`, ``pages_ahead`` whole pages).
+    page, while its tiles ask for the keys ``pages_ahead`` pages on (:func:`prefetch_pages_ahead`).
     ``q_t[group]`` holds a row group's queries transposed, ``[D, lanes]``, zero padding lanes. ``threads``
     workers take the tasks in runs as they go (:func:`._parallel.claim_tasks`), each with one set of scratch.
     """
@@ -187,11 +146,12 @@ def _paged_score_kernel(scores, q, head_weights, cache, page_stride, base, per_p
                     key = key0 + column
                     slot = key % per_page
                     run = min(per_page - slot, needed - column)
-                    start = table[b, key // per_page] * page_stride + base + slot * dim
-                    _prefetch_ahead(cache, table, b, key + run, num_keys[b], page_stride, base, per_page, dim,
-                                    pages_ahead)
+                    page = table[b, key // per_page]
+                    start = page * page_stride + base + slot * dim
+                    ahead_rows = _rows_to_page_ahead(cache, table, b, key, run, num_keys[b], page, start,
+                                                     page_stride, per_page, dim, pages_ahead)
                     dots_of_rows(dots[column:], group_q, cache[start : start + run * dim].reshape((run, dim)),
-                                 lanes, scratch)
+                                 lanes, scratch, ahead_rows)
                     column += run
                 if head_weights is None:
                     write_group_scores(scores, dots, work, r0, r1, key0, chunk, needed, visible, lanes, heads,
@@ -255,8 +215,8 @@ def paged_keys(blocks: torch.Tensor) -> PagedKeys:
 class PagedScorePlan:
     """A paged score's query rows over one key cache, set up once and run for any of its layers: the keys each
     row sees (:func:`visible_keys` of the rows' positions and offsets, ``ratio`` tokens per key, at most
-    ``out_cols``), the keys as the kernel reads them (:func:`paged_keys`), ``divisor``, and how far ahead the
-    kernel asks for pages (:func:`whole_pages_ahead`, from what a step reads over the cache's layers).
+    ``out_cols``), the keys as the kernel reads them (:func:`paged_keys`), ``divisor``, and how many pages ahead
+    the kernel asks for keys (:func:`prefetch_pages_ahead`).
 
     Pages are checked when the plan is made (an early error) and again by each run, in the kernel's own
     call, against the lookup table's values as they are then (the table may change between runs: a plan
@@ -275,9 +235,7 @@ class PagedScorePlan:
         self.ratio, self.divisor = ratio, np.float32(divisor)  # as the kernel takes it, made once (~0.4 us)
         self.keys, self.key_dtype = paged_keys(blocks), blocks.dtype
         self.visible, self.seq_keys, self.total_visible = visible_keys(self.positions, self.offsets, ratio, out_cols)
-        key_bytes = blocks.shape[-1] * blocks.element_size()
-        self.pages_ahead = whole_pages_ahead(self.keys.per_page, self.keys.per_page * key_bytes,
-                                             int(self.seq_keys.sum()) * key_bytes * blocks.shape[2])
+        self.pages_ahead = prefetch_pages_ahead(self.keys.per_page)
         seq, key = first_missing_page(self.table, self.keys.num_pages, self.keys.per_page, self.seq_keys)
         if seq >= 0:
             raise self.page_error(seq, key)

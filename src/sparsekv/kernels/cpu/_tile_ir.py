@@ -166,7 +166,7 @@ def _close_loop(builder, counter, accumulators, updated, bound, loop, done):
 
 
 @intrinsic
-def dot_tile(typingctx, dots, q_t, keys, lane0, key0, row_starts):
+def dot_tile(typingctx, dots, q_t, keys, lane0, key0, row_starts, ahead_rows):
     """The dot products of ``VECTOR`` lanes x ``KEYS_PER_TILE`` keys, a vector accumulator per key in
     registers (all eight in one pass over the channels, or two passes of four: :func:`_keys_per_pass`).
 
@@ -179,7 +179,12 @@ def dot_tile(typingctx, dots, q_t, keys, lane0, key0, row_starts):
     bf16). The caller keeps ``lane0 + VECTOR`` within ``q_t``'s and
     ``dots``' columns, ``key0 + KEYS_PER_TILE`` within ``dots``' rows and the
     keys', and ``key0 + 2*KEYS_PER_TILE`` within ``row_starts`` (the prefetch
-    of the next tile reads it; no bounds checks here). One vector of lanes,
+    of the next tile reads it; no bounds checks here). While it computes, the
+    tile asks for the keys ``ahead_rows`` rows after its own (rows of
+    ``keys``, any distance, even negative: a prefetch never faults):
+    ``KEYS_PER_TILE``, the next tile's, or for the paged score the same slots
+    of a page further on. With ``row_starts``, pass ``KEYS_PER_TILE`` (it
+    indexes ``row_starts``). One vector of lanes,
     not two: a two-vector tile (16 accumulators) measured 1-7% slower on one
     core and 10-30% slower on two (bf16 and float32).
     """
@@ -198,12 +203,12 @@ def dot_tile(typingctx, dots, q_t, keys, lane0, key0, row_starts):
         pairs = True
     else:
         return None
-    signature = types.void(dots, q_t, keys, types.intp, types.intp, row_starts)
+    signature = types.void(dots, q_t, keys, types.intp, types.intp, row_starts, types.intp)
 
     def codegen(context, builder, sig, args):
         dots_arr, q_arr, keys_arr = (context.make_array(t)(context, builder, a)
                                      for t, a in zip(sig.args[:3], args[:3]))
-        lane0, key0 = args[3], args[4]
+        lane0, key0, ahead_rows = args[3], args[4], args[6]
         index = ir.IntType(64)
         vector = ir.VectorType(ir.FloatType(), VECTOR)
         words = ir.VectorType(ir.IntType(32), VECTOR)
@@ -280,12 +285,12 @@ def dot_tile(typingctx, dots, q_t, keys, lane0, key0, row_starts):
             q_start = builder.add(builder.mul(channel, q_cols), lane0)
             q_vector = builder.load(vector_at(q_arr.data, q_start, q_type), align=4)
             if first // per_pass < prefetching:  # the first pass, or every pass
-                # Prefetch the next tile's keys meanwhile (keys stream from memory in place): with p =
-                # prefetching, every p-th channel step c asks for step 8p*(c // 8p) of the next tile's
+                # Prefetch the keys ahead meanwhile (keys stream from memory in place): with p =
+                # prefetching, every p-th channel step c asks for step 8p*(c // 8p) of the ahead tile's
                 # key first + (c // p) % asked (the pass's keys in turn), so every cache line of them
-                # twice over the loop. A prefetch never faults: rows past the end need no guard.
+                # twice over the loop, one request at a time (a burst of them stalls the products).
                 turn = builder.lshr(channel, constant(prefetching.bit_length() - 1))
-                ahead = key_row(builder.add(builder.add(key0, constant(KEYS_PER_TILE + first)),
+                ahead = key_row(builder.add(builder.add(builder.add(key0, ahead_rows), constant(first)),
                                             builder.and_(turn, constant(asked - 1))))
                 target = builder.gep(ahead, [builder.and_(channel, constant(-8 * prefetching))])
                 if prefetching == 1:  # no test: even one LLVM folds away changes the AVX-512 tile's code

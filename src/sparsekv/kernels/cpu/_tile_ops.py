@@ -110,7 +110,7 @@ def transpose_dots(dots, dots_t, num_keys, lanes):
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def tile_dots(dots, q_t, keys, lanes, num_keys, row_starts=None):
+def tile_dots(dots, q_t, keys, lanes, num_keys, row_starts=None, ahead_rows=KEYS_PER_TILE):
     """``dots[i, l] = key_i . q_t[:, l]`` for ``l < lanes``, ``i < num_keys`` rounded up to ``KEYS_PER_TILE``.
 
     ``q_t [D, >= lanes]`` float32 with float32 keys, or the bf16 pair layout
@@ -131,7 +131,7 @@ def tile_dots(dots, q_t, keys, lanes, num_keys, row_starts=None):
         return
     for key0 in range(0, num_keys, KEYS_PER_TILE):
         for lane0 in range(0, lanes, VECTOR):
-            dot_tile(dots, q_t, keys, lane0, key0, row_starts)
+            dot_tile(dots, q_t, keys, lane0, key0, row_starts, ahead_rows)
 
 
 def new_scratch(keys, dim):
@@ -194,7 +194,7 @@ def _dots_in_place_overload(dots, q_t, flat, row_starts, n, dim, lanes):
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def dots_of_rows(dots, q_t, rows, lanes, scratch):
+def dots_of_rows(dots, q_t, rows, lanes, scratch, ahead_rows=KEYS_PER_TILE):
     """``dots[i, l] = rows[i] . q_t[:, l]`` for ``i < n``, ``l < lanes``; may write up to
     ``KEYS_PER_TILE - 1`` more rows of ``dots``, never reads past ``rows``.
 
@@ -204,13 +204,16 @@ def dots_of_rows(dots, q_t, rows, lanes, scratch):
     place; whole tiles of 8 rows run on them directly and the last ``n % 8``
     rows from a zero-padded copy in ``scratch`` (:func:`new_scratch`). So the
     keys stream from memory while the tile computes, instead of being copied
-    first (the copy had cost as much as the products).
+    first (the copy had cost as much as the products). Each whole tile asks
+    for ``rows``' keys ``ahead_rows`` rows after its own while it computes
+    (:func:`tile_dots`; read in place only, a copy's tiles the next tile's).
     """
     n = rows.shape[0]
     keys = _in_tile_layout(rows, scratch)
     full = n - n % KEYS_PER_TILE
     if full > 0:
-        tile_dots(dots, q_t, keys, lanes, full)
+        in_place = keys.ctypes.data == rows.ctypes.data
+        tile_dots(dots, q_t, keys, lanes, full, None, ahead_rows if in_place else KEYS_PER_TILE)
     if n > full:
         tail = scratch[KEYS_PER_TASK:]
         tail[: n - full] = keys[full:n]

@@ -317,7 +317,8 @@ def qsa_compress_keys_paged(block_keys, gamma, freqs_cis, key_counts, blocks, lo
     # host math in numpy: a torch op costs several microseconds each, this whole wrapper ~10
     num_blocks = np.clip(key_counts.numpy().astype(np.int64) // ratio, 0, max_blocks)
     freqs = _checked_block_sources(freqs_cis, num_blocks, blocks, lookup_table, ratio, block_keys.dtype)
-    out = block_keys if block_keys.is_contiguous() else torch.empty_like(block_keys, memory_format=torch.contiguous_format)
+    out = (block_keys if block_keys.is_contiguous()
+           else torch.empty_like(block_keys, memory_format=torch.contiguous_format))
     keys, page_stride, base = flat_plane(blocks, 0, layer)
     with threads_for(block_keys.numel() * ratio) as threads:
         _compress_kernel(as_numba(out), keys, page_stride, base, blocks.shape[3], lookup_table.numpy(),
