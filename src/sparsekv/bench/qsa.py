@@ -253,9 +253,11 @@ def bench_block_score(batch: int, keys: int, rows_per_seq: int, dtype: torch.dty
     nbytes = q.numel() * q.element_size() + batch * visible * HEAD_DIM * block_keys.element_size() + out.numel() * 4
     seen = ((positions.long() + 1) // RATIO).clamp(0, max_blocks)  # blocks each row scores
     kind = "decode" if rows_per_seq <= ROWS_PER_SEQUENCE else "prefill chunk"
-    read = (page_read_peer(block_blocks, table.view(batch, -1), seen.view(batch, -1).amax(1).tolist(), layers)
-            if paged else read_peer(nbytes))  # paged: the keys each sequence's rows see, read where they lie
-    peak = tile_peak_peer({dtype: int(seen.sum()) * INDEX_HEADS * HEAD_DIM})
+    read = peak = None  # --threads-check times ours and one thread only
+    if not check_threads:
+        read = (page_read_peer(block_blocks, table.view(batch, -1), seen.view(batch, -1).amax(1).tolist(), layers)
+                if paged else read_peer(nbytes))  # paged: the keys each sequence's rows see, read where they lie
+        peak = tile_peak_peer({dtype: int(seen.sum()) * INDEX_HEADS * HEAD_DIM})
     if rows_per_seq != ROWS_PER_SEQUENCE:  # max_peer.py runs the decode shape only
         max_python = None
     shape = f"{kind}: B={batch} rows={rows_per_seq}/seq heads=4 blocks={max_blocks}" + (" plan.run" if paged else "")
