@@ -9,10 +9,11 @@ keys); :func:`new_scratch`, :func:`put_key_row`, :func:`new_query_tiles` and
 :func:`dots_of_rows` runs the tiles on keys read in place (a page's
 consecutive pooled keys, a sequence's block keys): whole tiles straight from
 memory, the last ``n % 8`` keys from a zero-padded copy, and each tile
-prefetches the next tile's keys. :func:`dots_of_gathered_rows` does the same
-for keys anywhere (attention's selected tokens): the tile reads each key
-from its own start (``row_starts``), and :func:`gather_rows` copies rows
-with a prefetch ahead where a copy is needed. :func:`transpose_dots` turns
+prefetches keys ahead (the next tile's, or those a given number of rows on).
+:func:`dots_of_gathered_rows` does the same for keys anywhere (attention's
+selected tokens): the tile reads each key from its own start
+(``row_starts``), and :func:`gather_rows` copies rows with a prefetch ahead
+where a copy is needed. :func:`transpose_dots` turns
 ``dots [keys, lanes]`` into ``[lanes, keys]`` so that the score epilogues run
 over each lane's keys contiguously; :func:`square_sums_in_order` sums the
 squares of 16 rows at once in channel order (compress's RMSNorm).
@@ -121,6 +122,9 @@ def tile_dots(dots, q_t, keys, lanes, num_keys, row_starts=None, ahead_rows=KEYS
     KEYS_PER_TILE`` entries, all pointing at whole keys), the ``D`` elements
     of the 1-d ``keys`` from ``row_starts[i]``: keys gathered from anywhere
     (e.g. cached tokens through a page table) without copying them first.
+    Each tile asks for the keys ``ahead_rows`` rows after its own while it
+    computes (:func:`._tile_ir.dot_tile`; keep ``KEYS_PER_TILE`` with
+    ``row_starts``).
 
     Inlined where it is called: the paged score calls it once per page (32 keys of the QSA block-key cache),
     and as a call it had cost that kernel 1-3% with the keys in the L3 and 2-6% with them in memory (the
