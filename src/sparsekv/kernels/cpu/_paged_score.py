@@ -37,7 +37,7 @@ from ._paged_rows import flat_plane
 from ._parallel import next_task, threads_for
 from ._score_tasks import plan_score_tasks, row_group, score_task, write_group_scores
 from ._tile_ir import KEYS_PER_TILE
-from ._tile_ops import KEYS_PER_TASK, dots_of_rows, new_scratch, prefetch_span
+from ._tile_ops import KEYS_AHEAD, KEYS_PER_TASK, dots_of_rows, new_scratch, prefetch_span
 
 
 @numba.njit(cache=True, nogil=True)
@@ -55,10 +55,6 @@ def visible_keys(positions, offsets, ratio, out_cols):
             needed[b] = max(needed[b], visible[r])
             total += visible[r]
     return visible, needed, total
-
-
-KEYS_AHEAD = 32
-"""The fewest keys ahead of those it scores that the paged score asks for (:func:`prefetch_pages_ahead`)."""
 
 
 def prefetch_pages_ahead(per_page: int) -> int:

@@ -43,6 +43,14 @@ from ._tile_ir import (CACHE_LINE, KEYS_PER_TILE, SQUARE_SUM_ROWS, VECTOR, WEIGH
 KEYS_PER_TASK = 128
 """Keys (block keys or pooled keys) per score task and per scratch chunk: enough work per task, little scratch;
 a multiple of KEYS_PER_TILE."""
+KEYS_AHEAD = 32
+"""The fewest rows ahead of those it scores that a score kernel asks for while its tiles compute: the
+contiguous block score reads its keys ``KEYS_AHEAD`` rows on, the paged scores the same slots a page or
+more on (:func:`._paged_score.prefetch_pages_ahead`). For the contiguous QSA block score (4 x 4 rows, 4
+heads, two threads, the kernel against the tile's same-run peak, three runs), 32 rows against the next
+tile's 8: bf16 keys from memory 0.70-0.81 -> 0.76-0.85 (32768 blocks, 34 MB) and 0.56-0.66 -> 0.62-0.70
+(8192 blocks after a 96 MB write), in the L3 0.81-0.85 -> 0.82-0.84; fp32 from -3% to +5% (16 rows
+alike)."""
 VALUE_ROWS = 64
 """Value rows attention gathers at a time where it prefetches the next ones during P.V
 (:func:`new_value_scratch`'s rows: 2 * VALUE_ROWS): 64 measured 3-4% faster than 128 there."""

@@ -77,7 +77,7 @@ from ...cache.layout import page_error
 from ._bits import array_at, as_numba, copy_row, narrow, numba_dtype, widen
 from ._score_tasks import plan_score_tasks, row_group, score_task, write_group_scores
 from ._tile_ir import KEYS_PER_TILE, SQUARE_SUM_ROWS
-from ._tile_ops import KEYS_PER_TASK, dots_of_rows, new_scratch, square_sums_in_order
+from ._tile_ops import KEYS_AHEAD, KEYS_PER_TASK, dots_of_rows, new_scratch, square_sums_in_order
 from ._pages import first_missing_page
 from ._paged_rows import flat_plane
 from ._paged_score import PagedScorePlan
@@ -372,7 +372,8 @@ def _block_score_kernel(scores, q, keys, offsets, positions, ratio, max_blocks, 
     """``scores [total_q, out_cols]``; ``q [total_q, heads, D]``; ``keys [B*max_blocks, D]``.
 
     Task = (sequence, chunk of its block keys): each group of the sequence's
-    rows runs over the chunk's keys, read in place (:func:`._tile_ops.dots_of_rows`).
+    rows runs over the chunk's keys, read in place (:func:`._tile_ops.dots_of_rows`), each tile asking for
+    the keys ``KEYS_AHEAD`` rows on.
     ``q_t[group]`` holds a row group's queries transposed, lane ``row*heads +
     h``, zeros in the padding lanes.
     ``threads`` workers take the tasks in runs as they go (:func:`._parallel.claim_tasks`), each with one set of
@@ -406,7 +407,7 @@ def _block_score_kernel(scores, q, keys, offsets, positions, ratio, max_blocks, 
                 if needed <= 0:
                     continue
                 dots_of_rows(dots, q_t[group_starts[b] + (r0 - first_row) // group_rows], rows[:needed], lanes,
-                             scratch)
+                             scratch, KEYS_AHEAD)
                 write_group_scores(scores, dots, work, r0, r1, g0, chunk, needed, visible, lanes, heads, None,
                                    divisor)
 
