@@ -308,7 +308,8 @@ def _find_text_model(model: nn.Module) -> tuple[nn.Module, type[AttentionAdapter
             continue
         for adapter in ADAPTERS:
             attentions = [layer.self_attn for layer in layers
-                          if isinstance(getattr(layer, "self_attn", None), nn.Module) and adapter.matches(layer.self_attn)]
+                          if isinstance(getattr(layer, "self_attn", None), nn.Module)
+                          and adapter.matches(layer.self_attn)]
             if attentions:
                 found.append((module, adapter, sorted(attentions, key=lambda m: m.layer_idx)))
     if not found:
