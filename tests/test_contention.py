@@ -87,6 +87,24 @@ def test_numba_threads_restores_a_count_set_after_it_was_last_read(monkeypatch):
         numba.set_num_threads(available)
 
 
+def test_thread_count_functions_read_and_set_numbas_count_or_fall_back(monkeypatch):
+    """The threading layer's own getter and setter act on the count numba's public functions see; where
+    numba's module lacks them, the public functions are used."""
+    from numba.np.ufunc import parallel
+    get, set_ = _parallel._thread_count_functions()
+    if callable(getattr(parallel, "_set_num_threads", None)):  # the numba versions supported have them
+        assert (get, set_) == (parallel._get_num_threads, parallel._set_num_threads)
+    available = numba.get_num_threads()
+    assert get() == available
+    try:
+        set_(1)
+        assert numba.get_num_threads() == 1 and get() == 1
+    finally:
+        numba.set_num_threads(available)
+    monkeypatch.delattr(parallel, "_set_num_threads")
+    assert _parallel._thread_count_functions() == (numba.get_num_threads, numba.set_num_threads)
+
+
 @pytest.mark.parametrize("fail", [False, True])
 def test_busy_processes_run_for_the_block_and_are_stopped_after(fail):
     from sparsekv.bench.common import busy_processes, format_table
