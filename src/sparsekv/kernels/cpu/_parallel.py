@@ -28,8 +28,9 @@ where two threads that both run give close to 2 whatever the kernel, so the
 ratio tells contention apart from slow work without knowing how long the
 kernel should take. Smaller dynamic chunks do not help:
 a descheduled worker holds the chunk it is in, and the barrier waits for it
-whatever the chunk size. The check costs two process-clock reads (about
-1 us each) per parallel call.
+whatever the chunk size. The check costs a process-clock read (about
+0.5 us) per parallel call, and a second one for a region long enough to be
+judged.
 
 torch's own intra-op threads (an OpenMP pool too) wait the same way: with
 one busy process, an elementwise op on a 512 x 24 x 256 float32 tensor took
