@@ -50,7 +50,10 @@ def _sum_spans(words, starts, lengths, threads):
             for j in range(span.shape[0]):
                 total += span[j]
         totals[worker * _PAD] = total
-    return totals.sum()
+    grand = np.int32(0)
+    for worker in range(threads):  # numba adds int32 as int64 (and numpy sums them so): wrapped at each step
+        grand = np.int32(grand + totals[worker * _PAD])
+    return grand
 
 
 def page_spans(blocks: torch.Tensor, lookup_table: torch.Tensor, seq_keys: Sequence[int], layer: int,
