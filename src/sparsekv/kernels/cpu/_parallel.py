@@ -210,10 +210,15 @@ class ContentionPolicy:
         self.serial_until = now + self.first_backoff * 2**self.level
         self.serial_calls = self.first_calls * 2**self.level
 
+    def judges(self, threads: int, wall: float) -> bool:
+        """Whether a region that ran on ``threads`` threads for ``wall`` seconds is judged (several threads, at
+        least ``min_wall``): :meth:`record` ignores any other, so its caller need not read the process clock."""
+        return threads >= 2 and wall >= self.min_wall
+
     def record(self, threads: int, wall: float, cpu: float, now: float) -> None:
         """Judge a region that ran on ``threads`` threads for ``wall`` seconds using ``cpu`` seconds of the
-        process's CPU time and ended at ``now``."""
-        if threads < 2 or wall < self.min_wall:
+        process's CPU time and ended at ``now`` (a region it does not :meth:`judge <judges>` changes nothing)."""
+        if not self.judges(threads, wall):
             return
         if cpu < wall * (1.0 + (threads - 1) * self.min_share) and self._confirmed(threads, now):
             self.contended_regions += 1
@@ -358,7 +363,7 @@ class numba_threads:  # noqa: N801 - used like a function: ``with numba_threads(
         if self.threads > 1 and exc_type is None:
             now = time.perf_counter()
             wall = now - self.wall_start
-            if wall >= CONTENTION.min_wall:  # else not judged: the process clock's read (~0.5 us) is spared
+            if CONTENTION.judges(self.threads, wall):  # else the process clock's read (~0.5 us) is spared
                 CONTENTION.record(self.threads, wall, time.process_time() - self.cpu_start, now)
         if self.threads != self.available:
             _set_thread_count(self.available)
