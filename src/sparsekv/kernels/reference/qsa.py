@@ -27,7 +27,7 @@ import torch
 
 from ..._checks import check_freqs_cis_rows
 from ...cache.layout import check_needed_pages, page_problem, ragged_rows, resolve_pages
-from ...numerics import apply_rope_neox
+from ...numerics import apply_rope_neox, div_rn, sqrt_rn
 
 
 def counted_entry_error(lookup_table: torch.Tensor, num_pages: int, page_size: int, indices: torch.Tensor,
@@ -118,7 +118,7 @@ def qsa_compress_keys_paged(
         total = raw[:, 0].float()
         for i in range(1, ratio):
             total = total + raw[:, i].float()
-        mean = (total / ratio).to(block_keys.dtype).float()
+        mean = div_rn(total, ratio).to(block_keys.dtype).float()
         # 2. zero-centred RMSNorm. The sum of squares runs over the channels in
         #    order d = 0..D-1: a vectorised reduction's order depends on the
         #    machine, and a one-ulp change of x here can become several ulps after
@@ -126,7 +126,7 @@ def qsa_compress_keys_paged(
         squares = torch.zeros(num_blocks, dtype=torch.float32, device=blocks.device)
         for d in range(mean.shape[1]):
             squares = squares + mean[:, d] * mean[:, d]
-        inv_rms = torch.rsqrt(squares / mean.shape[1] + eps)  # = 1 / sqrt, both correctly rounded
+        inv_rms = 1.0 / sqrt_rn(div_rn(squares, mean.shape[1]) + eps)  # two roundings, as SPEC 2.2 states
         normed = (mean * inv_rms[:, None] * (1.0 + gamma.float())).to(block_keys.dtype)
         # 3. RoPE at each block's first token.
         first_tokens = torch.arange(num_blocks, device=blocks.device) * ratio
@@ -248,7 +248,7 @@ def qsa_block_score(
         # other rows share its call (SPEC 2.6).
         for r in range(start, end):
             per_head = q[r].float() @ keys.T  # [H, G]
-            summed = per_head.clamp_min(0.0).sum(dim=0) / score_scale  # [G]
+            summed = div_rn(per_head.clamp_min(0.0).sum(dim=0), score_scale)  # [G]
             visible = min(max((int(query_positions[r]) + 1) // ratio, 0), max_blocks)
             scores[r, :usable_cols] = torch.where(columns < visible, summed, float("-inf"))
 
