@@ -37,8 +37,8 @@ Pool math (all in float32, one cast to ``k``'s dtype at the end), per channel:
 
 Every product, quotient and sum is rounded to float32 on its own (no fused
 multiply-add). These rounding points are the contract: a backend that follows
-them in this order agrees with this module bit for bit; one that uses a
-float32 ``exp`` (the CPU fast path, Triton) agrees within SPEC 4 instead.
+them in this order agrees with this module bit for bit (Triton); one that uses
+a float32 ``exp`` (the CPU fast path) agrees within SPEC 4 instead.
 
 The score kernel takes no per-sequence pool count: a row sees the pools its
 position completes (``(t+1) // kpool``, capped by ``scores.shape[1]``), and
@@ -50,6 +50,7 @@ from __future__ import annotations
 import torch
 
 from ...cache.layout import first_missing_page, page_problem, ragged_rows
+from ...numerics import div_rn
 from .qsa import keys_seen
 
 MODES = ("softmax", "mean", "last")
@@ -77,7 +78,7 @@ def pool_members(members_k: torch.Tensor, members_gate: torch.Tensor, ape: torch
         total = keys[:, 0]
         for m in range(1, kpool):
             total = total + keys[:, m]
-        return (total / kpool).to(members_k.dtype)
+        return div_rn(total, kpool).to(members_k.dtype)
     if mode != "softmax":
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
     logits = members_gate.float() + ape[None]  # [N, kpool, D]: one weight per channel, not per token

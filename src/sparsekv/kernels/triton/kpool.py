@@ -4,8 +4,8 @@ The pool math (softmax / mean / last, per channel) lives in one device
 function, :func:`_pool`, used by both the in-call compress and the ring close,
 so a pool gives the same bits whichever of the two closes it. Members are
 combined in member order with each product and division rounded separately
-(contraction disabled, ``div_rn``), as the reference does; only ``exp`` may
-differ in its last bit.
+(contraction disabled, ``div_rn``) and ``exp`` evaluated in float64 and
+rounded once, as the reference does.
 
 Device-side safety without host syncs: member rows are masked to ``[0, T)``,
 ring slots to ``[0, max_slots)``, pages of the pooled cache to valid entries
@@ -47,24 +47,36 @@ def _mode_id(mode: str) -> int:
 
 
 @triton.jit
+def _exp_rn(x):
+    """fp32 ``exp(x)`` evaluated in float64 and rounded once, as the reference rounds it (``tl.exp`` on fp32
+    is an approximation on the GPU, and its error grows into many ulps of a pooled key that cancels)."""
+    return tl.exp(x.to(tl.float64)).to(tl.float32)
+
+
+@triton.jit
 def _member(m, k_ptr, gate_ptr, k_stride, gate_stride, num_rows, first_row, from_ring,
-            ring_ptr, ring_slot, ring_ok, ring_gate_offset, ring_member_stride, chans, chan_ok, ok):
+            ring_ptr, ring_slot, ring_ok, ring_gate_offset, ring_member_stride, chans, chan_ok, ok,
+            HAS_RING: tl.constexpr):
     """Key and gate (fp32 ``[BP, BD]``) of member ``m`` of each pool in the tile.
 
-    Members ``m < from_ring`` come from the ring (``ring_slot`` = offset of the
-    slot's plane 0), the others from row ``first_row + m - from_ring`` of this call.
+    With ``HAS_RING``, members ``m < from_ring`` come from the ring (``ring_slot``
+    = offset of the slot's plane 0), the others from row ``first_row + m -
+    from_ring`` of this call; without it (in-call compress: no ring read is
+    compiled, which Triton 3.6's layout pass also needs) every member is row
+    ``first_row + m``.
     """
-    in_ring = ok & (m < from_ring) & ring_ok
     row = first_row + m - from_ring
     in_rows = ok & (m >= from_ring) & (row >= 0) & (row < num_rows)
-    row = tl.where(in_rows, row, 0).to(tl.int64)
-    ring_at = (ring_slot + m * ring_member_stride)[:, None] + chans[None, :]
-    ring_mask = in_ring[:, None] & chan_ok[None, :]
+    row = row.to(tl.int64)  # rows outside [0, num_rows) are masked, never read
     row_mask = in_rows[:, None] & chan_ok[None, :]
-    key = tl.where(ring_mask, tl.load(ring_ptr + ring_at, mask=ring_mask, other=0.0),
-                   tl.load(k_ptr + (row * k_stride)[:, None] + chans[None, :], mask=row_mask, other=0.0))
-    gate = tl.where(ring_mask, tl.load(ring_ptr + ring_gate_offset + ring_at, mask=ring_mask, other=0.0),
-                    tl.load(gate_ptr + (row * gate_stride)[:, None] + chans[None, :], mask=row_mask, other=0.0))
+    key = tl.load(k_ptr + (row * k_stride)[:, None] + chans[None, :], mask=row_mask, other=0.0)
+    gate = tl.load(gate_ptr + (row * gate_stride)[:, None] + chans[None, :], mask=row_mask, other=0.0)
+    if HAS_RING:
+        in_ring = ok & (m < from_ring) & ring_ok
+        ring_at = (ring_slot + m * ring_member_stride)[:, None] + chans[None, :]
+        ring_mask = in_ring[:, None] & chan_ok[None, :]
+        key = tl.where(ring_mask, tl.load(ring_ptr + ring_at, mask=ring_mask, other=0.0), key)
+        gate = tl.where(ring_mask, tl.load(ring_ptr + ring_gate_offset + ring_at, mask=ring_mask, other=0.0), gate)
     return key.to(tl.float32), gate.to(tl.float32)
 
 
@@ -72,24 +84,28 @@ def _member(m, k_ptr, gate_ptr, k_stride, gate_stride, num_rows, first_row, from
 def _pool(k_ptr, gate_ptr, k_stride, gate_stride, num_rows, first_row, from_ring,
           ring_ptr, ring_slot, ring_ok, ring_gate_offset, ring_member_stride,
           ape_ptr, ape_stride, chans, chan_ok, ok,
-          KPOOL: tl.constexpr, MODE: tl.constexpr, DTYPE: tl.constexpr):
+          KPOOL: tl.constexpr, MODE: tl.constexpr, DTYPE: tl.constexpr, HAS_RING: tl.constexpr):
     """One pooled key per pool of the tile, in ``DTYPE`` (SPEC 3.1, rounding as the reference)."""
     if MODE == 2:  # last member, unchanged
         key, _ = _member(KPOOL - 1, k_ptr, gate_ptr, k_stride, gate_stride, num_rows, first_row, from_ring,
-                         ring_ptr, ring_slot, ring_ok, ring_gate_offset, ring_member_stride, chans, chan_ok, ok)
+                         ring_ptr, ring_slot, ring_ok, ring_gate_offset, ring_member_stride, chans, chan_ok,
+                         ok, HAS_RING)
         pooled = key
     elif MODE == 1:  # mean, summed in member order
         pooled, _ = _member(0, k_ptr, gate_ptr, k_stride, gate_stride, num_rows, first_row, from_ring,
-                            ring_ptr, ring_slot, ring_ok, ring_gate_offset, ring_member_stride, chans, chan_ok, ok)
+                            ring_ptr, ring_slot, ring_ok, ring_gate_offset, ring_member_stride, chans, chan_ok,
+                            ok, HAS_RING)
         for m in tl.static_range(1, KPOOL):
             key, _ = _member(m, k_ptr, gate_ptr, k_stride, gate_stride, num_rows, first_row, from_ring,
-                             ring_ptr, ring_slot, ring_ok, ring_gate_offset, ring_member_stride, chans, chan_ok, ok)
+                             ring_ptr, ring_slot, ring_ok, ring_gate_offset, ring_member_stride, chans, chan_ok,
+                             ok, HAS_RING)
             pooled = pooled + key
         pooled = tl.div_rn(pooled, tl.zeros_like(pooled) + KPOOL)
     else:  # softmax over members per channel; three passes keep every sum in member order
         for m in tl.static_range(KPOOL):
             _, gate = _member(m, k_ptr, gate_ptr, k_stride, gate_stride, num_rows, first_row, from_ring,
-                              ring_ptr, ring_slot, ring_ok, ring_gate_offset, ring_member_stride, chans, chan_ok, ok)
+                              ring_ptr, ring_slot, ring_ok, ring_gate_offset, ring_member_stride, chans, chan_ok,
+                              ok, HAS_RING)
             logit = gate + tl.load(ape_ptr + m * ape_stride + chans, mask=chan_ok, other=0.0)[None, :]
             if m == 0:
                 peak = logit
@@ -97,18 +113,19 @@ def _pool(k_ptr, gate_ptr, k_stride, gate_stride, num_rows, first_row, from_ring
                 peak = tl.maximum(peak, logit)
         for m in tl.static_range(KPOOL):
             _, gate = _member(m, k_ptr, gate_ptr, k_stride, gate_stride, num_rows, first_row, from_ring,
-                              ring_ptr, ring_slot, ring_ok, ring_gate_offset, ring_member_stride, chans, chan_ok, ok)
+                              ring_ptr, ring_slot, ring_ok, ring_gate_offset, ring_member_stride, chans, chan_ok,
+                              ok, HAS_RING)
             logit = gate + tl.load(ape_ptr + m * ape_stride + chans, mask=chan_ok, other=0.0)[None, :]
             if m == 0:
-                denom = tl.exp(logit - peak)
+                denom = _exp_rn(logit - peak)
             else:
-                denom = denom + tl.exp(logit - peak)
+                denom = denom + _exp_rn(logit - peak)
         for m in tl.static_range(KPOOL):
             key, gate = _member(m, k_ptr, gate_ptr, k_stride, gate_stride, num_rows, first_row, from_ring,
                                 ring_ptr, ring_slot, ring_ok, ring_gate_offset, ring_member_stride, chans, chan_ok,
-                                ok)
+                                ok, HAS_RING)
             logit = gate + tl.load(ape_ptr + m * ape_stride + chans, mask=chan_ok, other=0.0)[None, :]
-            term = tl.div_rn(tl.exp(logit - peak), denom) * key
+            term = tl.div_rn(_exp_rn(logit - peak), denom) * key
             if m == 0:
                 pooled = term
             else:
@@ -135,7 +152,7 @@ def _compress_kernel(
     no_ring = tl.zeros_like(first_row)
     result = _pool(k_ptr, gate_ptr, k_stride, gate_stride, num_rows, first_row, no_ring,
                    k_ptr, no_ring.to(tl.int64), pools < 0, 0, 0,
-                   ape_ptr, ape_stride, chans, chan_ok, ok, KPOOL, MODE, DTYPE)
+                   ape_ptr, ape_stride, chans, chan_ok, ok, KPOOL, MODE, DTYPE, False)
     out_at = pooled_ptr + (pools.to(tl.int64) * pooled_stride)[:, None] + chans[None, :]
     tl.store(out_at, result, mask=ok[:, None] & chan_ok[None, :])
 
@@ -205,7 +222,7 @@ def _ring_close_kernel(
     chan_ok = chans < head_dim
     result = _pool(k_ptr, gate_ptr, k_stride, gate_stride, num_rows, first_row, from_ring,
                    ring_ptr, ring_slot, slot_ok, ring_gate_offset, ring_member_stride,
-                   ape_ptr, ape_stride, chans, chan_ok, closing, KPOOL, MODE, DTYPE)
+                   ape_ptr, ape_stride, chans, chan_ok, closing, KPOOL, MODE, DTYPE, True)
     result = tl.where(closing[:, None], result, tl.zeros_like(result))
     out_at = closed_ptr + (seqs.to(tl.int64) * closed_stride)[:, None] + chans[None, :]
     tl.store(out_at, result, mask=ok[:, None] & chan_ok[None, :])
