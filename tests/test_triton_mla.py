@@ -96,7 +96,9 @@ def test_invalid_entries_are_skipped_and_debug_raises(monkeypatch):
         run(tri_mla, case)
 
 
-def test_missing_page_raises_on_host_before_writing():
+def test_missing_page_raises_on_host_before_writing(monkeypatch):
+    gpu_validation_rules(monkeypatch)
+    monkeypatch.setenv("SPARSEKV_DEBUG", "1")  # CUDA tensors are checked on the host only in debug mode
     coll, q, indices, counts, offsets = small_setup()
     table = coll.lookup_table.clone()
     table[1, 0] = -1  # positions 0..3 of sequence 1

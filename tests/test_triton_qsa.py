@@ -156,7 +156,7 @@ def test_compress_bit_exact_with_large_magnitudes(dtype, head_dim, rotary_dim, r
     page_size, max_blocks, num_pages = 8, 24, 40
     counts = [ratio * 24 + 1, ratio * 17, ratio * 9 + ratio - 1]
     table = make_table(counts, page_size, num_pages, gen)
-    blocks = make_blocks(num_pages, 2, 2, page_size, 1, head_dim, torch.float32, 0, gen)
+    blocks = make_blocks(num_pages, 2, 2, page_size, 1, head_dim, torch.float32, 0, gen).cpu()
     exponent_range = 4.0 if dtype == torch.float16 else 24.0  # fp16 tops out at 65504
     token_scale = 10 ** ((torch.rand(num_pages, 1, 2, page_size, 1, 1, generator=gen) * 2 - 1) * exponent_range)
     channel_scale = 10 ** ((torch.rand(head_dim, generator=gen) * 2 - 1) * exponent_range / 4)
