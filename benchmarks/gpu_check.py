@@ -98,6 +98,25 @@ def check_all(pairs, *, noise_floor: float = 0.0) -> tuple[bool, str]:
     return all(ok for ok, _ in results), "; ".join(detail for _, detail in results)
 
 
+def attention_check(actual, expected, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                    scale: float) -> tuple[bool, str]:
+    """SPEC 4 for an attention's ``(out, lse)``: ``out`` with the noise floor and an absolute slack of its
+    logits' float32 rounding, ``lse`` as float32.
+
+    A 16-bit output that cancels (1e-4 out of values near 1) moves by the
+    rounding of its logits, up to ``2**-22 * scale * sum_d |q_d k_d|`` each,
+    times the values it averages: on an H200 such outputs came out 2 bf16 ulps
+    from the reference, and within 2 ulps of the float64 result, in the Triton
+    kernel's float32 path too (docs/spec-notes.md).
+    """
+    slack = 2.0**-22 * scale * float(q.float().abs().sum(-1).max()) * float(keys.float().abs().max()) * float(
+        values.float().abs().max())
+    out_ok, out_detail = SPEC4.spec_close(actual[0], expected[0], scale_atol=1e-5, noise_floor=ATTENTION_NOISE_FLOOR,
+                                          atol=slack)
+    lse_ok, lse_detail = spec_check(actual[1], expected[1])
+    return out_ok and lse_ok, f"{out_detail}; {lse_detail}"
+
+
 # ---- inputs -------------------------------------------------------------------
 class Inputs:
     def __init__(self, device: torch.device, seed: int, dtype: torch.dtype) -> None:
@@ -327,8 +346,7 @@ class Checker:
         expected, actual = outputs(check_rows), outputs(check_rows)
         run(self.ref["qsa"], *expected, rows=check_rows)
         run(self.tri["qsa"], *actual, rows=check_rows)
-        # bf16 outputs that are the cancellation of their terms: the tests' noise floor (docs/spec-notes.md)
-        check = check_all(zip(actual, expected), noise_floor=ATTENTION_NOISE_FLOOR)
+        check = attention_check(actual, expected, q[:check_rows], blocks[:, 0], blocks[:, 1], scale)
         full = outputs(total)
         kv_bytes = total * self.p["budget"] * m["kv_heads"] * m["dim"] * 2 * 2
         moved = payload(kv_bytes + nbytes(q, indices), nbytes(full[0]))
@@ -514,7 +532,8 @@ def mla_attention_cases(checker: Checker) -> list[tuple[str, Callable[[], Result
         if ctx == checker.p["dense_target_ctx"]:
             speedup = row.ratio("dense")
             target = (f">={DENSE_TARGET:.0f}x dense: {speedup:.1f}x", speedup >= DENSE_TARGET)
-        return Result(row, check_all(zip(actual, expected)), target)
+        return Result(row, attention_check(actual, expected, q[:check_rows], blocks, blocks[..., : s["rank"]], scale),
+                      target)
 
     return [(f"mla_attention B={b} ctx={ctx}", lambda b=b, c=ctx: decode(b, c)) for b, ctx in checker.p["decode"]]
 
