@@ -1,6 +1,8 @@
 """GPU check: every Triton kernel against the reference on fresh random inputs, then timed at real shapes.
 
     python benchmarks/gpu_check.py [--quick] [--out gpu_check.json]
+    python benchmarks/gpu_check.py --compile-for 90   # no GPU needed: build every kernel for sm_90
+
 
 Shapes: QSA indexer ``D = 128, R = 4, rotary_dim = 64``, page 128; main
 attention 24 query heads, 2 KV heads, ``D = 256``, budget 2048; k-pool
@@ -24,6 +26,12 @@ than dense. The ``check`` column is the SPEC 4 comparison with the reference,
 the same rule as the kernel tests (``tests/spec4.py``: fp32 within 1e-5
 relative, bf16 at most one ulp apart and >= 99% equal, selections exact).
 Exit status 1 when a check fails or a case errors.
+
+``--compile-for CC`` needs no GPU: it runs every case at small shapes with the
+real head sizes, but each Triton launch only compiles the kernel for CUDA
+compute capability ``CC`` (Triton's full pipeline down to the cubin) and runs
+nothing. It fails when a kernel does not build with the installed Triton; the
+interpreter, which the tests use on a CPU, never runs that compiler.
 """
 
 from __future__ import annotations
@@ -54,6 +62,8 @@ PROFILES = {
     # decode: (batch, context tokens) per decode case; prefill: (batch, new rows per sequence).
     "full": {**REAL_SHAPES, "decode": [(64, 32768), (4, 131072)], "prefill": (4, 8192), "repeat": 20},
     "quick": {**REAL_SHAPES, "decode": [(16, 32768)], "prefill": (1, 2048), "repeat": 5},
+    # Compile-only: the real head sizes (which set the kernels' tile shapes), small batches and histories.
+    "compile": {**REAL_SHAPES, "decode": [(2, 4096)], "prefill": (4, 64), "repeat": 1},
     # Tiny shapes for running the whole script in Triton's interpreter on a CPU.
     "smoke": {"qsa": {"dim": 32, "ratio": 4, "rotary": 16, "page": 16},
               "main": {"q_heads": 6, "kv_heads": 2, "dim": 32, "page": 16},
@@ -162,12 +172,17 @@ class Checker:
         self.ref = {"cache": ref_cache, "qsa": ref_qsa, "select": ref_select, "kpool": ref_kpool}
         self.dtype = torch.bfloat16
         self.seed = 0
+        self.compile_only = profile is PROFILES["compile"]
 
     def inputs(self) -> Inputs:
         self.seed += 1
         return Inputs(self.device, 1000 + self.seed, self.dtype)
 
     def timed(self, fn: Callable, *, ref: bool = False) -> float:
+        if self.compile_only:  # one call builds the kernels; peers and references are not timed
+            if not ref:
+                fn()
+            return float("nan")
         if ref:
             return time_call(fn, device=self.device, warmup=1, repeat=min(3, self.p["repeat"]))
         return time_call(fn, device=self.device, warmup=2 if self.p["repeat"] > 1 else 0, repeat=self.p["repeat"])
@@ -488,7 +503,7 @@ def mla_attention_cases(checker: Checker) -> list[tuple[str, Callable[[], Result
     from sparsekv.kernels.reference import mla as ref_mla
     from sparsekv.kernels.triton import mla as tri_mla
 
-    s = MLA_SHAPES["smoke" if checker.device.type == "cpu" else "real"]
+    s = MLA_SHAPES["smoke" if checker.p is PROFILES["smoke"] else "real"]
     width = s["rank"] + s["rope"]
 
     def decode(batch: int, ctx: int) -> Result:
@@ -550,12 +565,75 @@ def with_columns(table: str, extra: list[tuple[str, list[str]]]) -> str:
     return "\n".join(lines)
 
 
+def compile_for(capability: int) -> int:
+    """Build (never launch) every kernel the cases call, for CUDA compute capability ``capability``.
+
+    Triton's active driver is replaced by one that names that target and no
+    device, and every launch becomes a compile-only warm-up, so inputs stay CPU
+    tensors. Returns the exit status: 1 when any case raises.
+    """
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("gpu_check: --compile-for needs TRITON_INTERPRET unset (the interpreter compiles nothing)")
+        return 1
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    class CompileOnlyDriver:
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_current_target(self):
+            return GPUTarget("cuda", capability, 32)
+
+    built: set[str] = set()
+    launch = JITFunction.run
+
+    def compile_instead(self, *args, grid, warmup, **kwargs):
+        kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
+        built.add(f"{self.fn.__module__.rsplit('.', 1)[-1]}.{self.fn.__name__}")
+        return kernel
+
+    from sparsekv.kernels.triton import _attention
+
+    previous = getattr(driver, "_active", None)  # None: the default driver, made on first use
+    sm_count = _attention._sm_count
+    driver.set_active(CompileOnlyDriver())
+    JITFunction.run = compile_instead
+    _attention._sm_count = lambda device: 132  # an H100/H200's: few rows then split their entries, as there
+    failures = []
+    try:
+        checker = Checker(PROFILES["compile"], torch.device("cpu"))
+        for name, case in checker.cases():
+            try:
+                case()
+            except Exception as exc:  # noqa: BLE001 - report every kernel that does not build
+                failures.append(name)
+                print(f"FAILED {name}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+    finally:
+        JITFunction.run = launch
+        driver.set_active(previous)
+        _attention._sm_count = sm_count
+    import triton
+
+    print(f"Triton {triton.__version__}, sm_{capability}: {len(built)} kernels built ({', '.join(sorted(built))}); "
+          f"{len(failures)} of {len(checker.cases())} cases failed")
+    return 1 if failures else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one small decode shape, fewer repeats")
     parser.add_argument("--out", default="gpu_check.json", help="JSON file for the full numbers")
+    parser.add_argument("--compile-for", type=int, metavar="CC",
+                        help="no GPU needed: build every kernel for CUDA compute capability CC (e.g. 90), run none")
     parser.add_argument("--interpret-smoke", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.compile_for is not None:
+        return compile_for(args.compile_for)
     if args.interpret_smoke:
         # The interpreter must be on before any Triton kernel module is imported.
         os.environ["TRITON_INTERPRET"] = "1"

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -52,3 +57,18 @@ def test_check_uses_the_tests_spec4_rule():
     unwritten = torch.full((4,), float("nan"))  # NaN in both: still an unwritten output
     assert not script.spec_check(unwritten, unwritten.clone())[0]
     assert script.check_all([(torch.tensor([1, 2]), torch.tensor([1, 3]))]) == (False, "1 entries differ")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU machine runs the kernels themselves")
+def test_every_kernel_builds_for_hopper_with_the_installed_triton(tmp_path):
+    """Triton's whole compiler (not the interpreter the other tests use) down to an sm_90 cubin, into an empty
+    cache: a kernel that only fails to build on a GPU fails here."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton_cache")
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+    done = subprocess.run([sys.executable, str(script), "--compile-for", "90"], env=env, capture_output=True,
+                          text=True, timeout=600)
+    summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-2000:]
+    assert done.returncode == 0, summary
+    assert re.search(r" 0 of \d+ cases failed", summary), summary
+    assert "kpool._compress_kernel" in summary and "merge_kernel" in summary, summary
