@@ -3,7 +3,6 @@
     python benchmarks/gpu_check.py [--quick] [--out gpu_check.json]
     python benchmarks/gpu_check.py --compile-for 90   # no GPU needed: build every kernel for sm_90
 
-
 Shapes: QSA indexer ``D = 128, R = 4, rotary_dim = 64``, page 128; main
 attention 24 query heads, 2 KV heads, ``D = 256``, budget 2048; k-pool
 ``D = 128, kpool = 4``, 32 heads, top-k 2048. Decode batches ``B = 64`` at 32k
