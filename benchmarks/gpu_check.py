@@ -27,10 +27,11 @@ relative, bf16 at most one ulp apart and >= 99% equal, selections exact).
 Exit status 1 when a check fails or a case errors.
 
 ``--compile-for CC`` needs no GPU: it runs every case at small shapes with the
-real head sizes, but each Triton launch only compiles the kernel for CUDA
-compute capability ``CC`` (Triton's full pipeline down to the cubin) and runs
-nothing. It fails when a kernel does not build with the installed Triton; the
-interpreter, which the tests use on a CPU, never runs that compiler.
+real head sizes, in bf16, fp16 and fp32, but each Triton launch only compiles
+the kernel for CUDA compute capability ``CC`` (Triton's full pipeline down to
+the cubin) and runs nothing. It fails when a kernel does not build with the
+installed Triton; the interpreter, which the tests use on a CPU, never runs
+that compiler.
 """
 
 from __future__ import annotations
@@ -606,12 +607,17 @@ def compile_for(capability: int) -> int:
     failures = []
     try:
         checker = Checker(PROFILES["compile"], torch.device("cpu"))
-        for name, case in checker.cases():
-            try:
-                case()
-            except Exception as exc:  # noqa: BLE001 - report every kernel that does not build
-                failures.append(name)
-                print(f"FAILED {name}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        cases = 0
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):  # each builds its own kernels
+            checker.dtype = dtype
+            for name, case in checker.cases():
+                cases += 1
+                try:
+                    case()
+                except Exception as exc:  # noqa: BLE001 - report every kernel that does not build
+                    failures.append(f"{name} {dtype}")
+                    print(f"FAILED {name} {dtype}: {type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0] if str(exc) else ''}")
     finally:
         JITFunction.run = launch
         driver.set_active(previous)
@@ -619,7 +625,7 @@ def compile_for(capability: int) -> int:
     import triton
 
     print(f"Triton {triton.__version__}, sm_{capability}: {len(built)} kernels built ({', '.join(sorted(built))}); "
-          f"{len(failures)} of {len(checker.cases())} cases failed")
+          f"{len(failures)} of {cases} cases failed (bf16, fp16, fp32)")
     return 1 if failures else 0
 
 
