@@ -8,7 +8,7 @@ layers run the same chunks on a paged cache.
 The integration tests (tests/test_hf_integration*.py) share the inputs and
 drivers below: a left-padded batch of two prompts, greedy generation, and
 prefill followed by single-token decode steps, each run on the patched and
-the unpatched model.
+the unpatched model; and :func:`run_on_triton`, for the kernels a GPU runs.
 """
 
 from __future__ import annotations
@@ -177,3 +177,31 @@ def prefill_and_decode(model, ids, mask, steps):
                 held = [manager.cache_length(rid) for rid in cache.layers[0].generation.request_ids]
                 assert held == mask.sum(-1).tolist()  # real tokens only: padding is never stored
     return outputs, cache
+
+
+def run_on_triton(monkeypatch) -> set[tuple[str, str]]:
+    """Make every op run its Triton kernel (here in Triton's interpreter; the test is skipped without Triton)
+    and return the set that fills with ``(package, op)`` of each kernel that runs, ``package`` the one it
+    came from (``"triton"`` for ``sparsekv.kernels.triton``)."""
+    from triton_support import require_triton
+
+    from sparsekv.ops import _registry
+
+    require_triton()
+    if torch.cuda.is_available():  # the models stay on CPU tensors: the interpreter runs the kernels
+        pytest.skip("runs the Triton kernels in the interpreter; on a GPU machine the kernel tests run them")
+    monkeypatch.setenv("SPARSEKV_BACKEND", "triton")
+    ran: set[tuple[str, str]] = set()
+    load_kernel = _registry.load_kernel
+
+    def recording_load_kernel(backend: str, family: str, name: str):
+        found = load_kernel(backend, family, name)
+        package = found.__module__.rsplit(".", 2)[-2]
+
+        def run(*args):
+            ran.add((package, name))
+            return found(*args)
+        return run
+
+    monkeypatch.setattr(_registry, "load_kernel", recording_load_kernel)
+    return ran

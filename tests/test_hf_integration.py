@@ -23,6 +23,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import DynamicCache, Qwen4ExpForCausalLM, Qwen4ExpTextConfig, Qwen4ExpTextModel  # noqa: E402
 
 from hf_parity import NEW_TOKENS, PROMPT_LENGTHS, generate, left_padded_batch, prefill_and_decode  # noqa: E402
+from hf_parity import run_on_triton  # noqa: E402
 from hf_parity import one_torch_thread  # noqa: E402, F401  (a fixture, used through pytestmark)
 
 from sparsekv import InsufficientPagesError  # noqa: E402
@@ -265,3 +266,17 @@ def test_generate_command(checkpoint, capsys):
     assert report["pages_used"] == 3 and report["decode_tokens_per_s"] > 0  # 22 tokens, 8 per page
     assert main(["generate", "--model", str(checkpoint / "missing"), "--prompt-tokens", "4",
                  "--new-tokens", "1", "--no-progress"]) == 2
+
+
+@pytest.mark.triton
+def test_generate_matches_hf_on_the_triton_backend(checkpoint, reference, monkeypatch):
+    """The kernels a GPU runs (Triton; here its interpreter on CPU tensors) inside the patched model."""
+    ran = run_on_triton(monkeypatch)
+    ids, mask, ref_tokens, ref_logits = reference
+    model = patch_model(load(checkpoint), page_size=8, num_pages=48)
+    out = generate(model, ids, mask)
+    assert torch.equal(out.sequences, ref_tokens)
+    assert (torch.stack(out.logits, dim=1) - ref_logits).abs().max().item() <= 2e-3
+    assert_no_pages(model)
+    assert ran >= {("triton", op) for op in ("paged_store", "qsa_store_block_keys_paged", "qsa_block_score_paged",
+                                             "select_blocks_expand", "qsa_sparse_attention_paged")}, sorted(ran)

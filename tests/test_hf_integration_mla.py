@@ -25,7 +25,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hf_parity import NEW_TOKENS, generate, left_padded_batch, prefill_and_decode, seed_hf_model  # noqa: E402
+from hf_parity import NEW_TOKENS, generate, left_padded_batch, prefill_and_decode, run_on_triton  # noqa: E402
+from hf_parity import seed_hf_model  # noqa: E402
 from hf_parity import one_torch_thread  # noqa: E402, F401  (a fixture, used through pytestmark)
 
 from sparsekv.integrations.transformers import (  # noqa: E402
@@ -146,6 +147,23 @@ def test_generate_matches_hf_and_frees_pages(checkpoints, family):
     assert len(gaps) > 50 and min(gaps) > 1e-5  # selections really prune, and never at a tied boundary
     unpatch_model(model)
     assert "forward" not in attention.__dict__
+
+
+@pytest.mark.triton
+def test_generate_matches_hf_on_the_triton_backend(checkpoints, monkeypatch):
+    """GLM-5-Next (k-pool indexer, sparse MLA) on the kernels a GPU runs (Triton's interpreter here)."""
+    family = "glm5_next"
+    ids, mask = left_padded_batch(SEEDS[family], VOCAB)
+    with torch.no_grad():
+        ref = generate(load(checkpoints[family], family), ids, mask)
+    ran = run_on_triton(monkeypatch)
+    model = patch_model(load(checkpoints[family], family), page_size=PAGE, num_pages=24)
+    out = generate(model, ids, mask)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert (torch.stack(out.logits, dim=1) - torch.stack(ref.logits, dim=1)).abs().max().item() <= 2e-3
+    assert_no_pages(model)
+    assert ran >= {("triton", op) for op in ("paged_store", "mla_kpool_compress", "mla_kpool_score",
+                                             "mla_sparse_attention_paged")}, sorted(ran)
 
 
 @pytest.mark.parametrize("family", ["glm5_next", "glm_moe_dsa"])
