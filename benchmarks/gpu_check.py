@@ -27,11 +27,11 @@ relative, bf16 at most one ulp apart and >= 99% equal, selections exact).
 Exit status 1 when a check fails or a case errors.
 
 ``--compile-for CC`` needs no GPU: it runs every case at small shapes with the
-real head sizes, in bf16, fp16 and fp32, but each Triton launch only compiles
-the kernel for CUDA compute capability ``CC`` (Triton's full pipeline down to
-the cubin) and runs nothing. It fails when a kernel does not build with the
-installed Triton; the interpreter, which the tests use on a CPU, never runs
-that compiler.
+real head sizes, in bf16, fp16 and fp32 (``--compile-dtypes``), but each
+Triton launch only compiles the kernel for CUDA compute capability ``CC``
+(Triton's full pipeline down to the cubin) and runs nothing. It fails when a
+kernel does not build with the installed Triton; the interpreter, which the
+tests use on a CPU, never runs that compiler.
 """
 
 from __future__ import annotations
@@ -565,8 +565,9 @@ def with_columns(table: str, extra: list[tuple[str, list[str]]]) -> str:
     return "\n".join(lines)
 
 
-def compile_for(capability: int) -> int:
-    """Build (never launch) every kernel the cases call, for CUDA compute capability ``capability``.
+def compile_for(capability: int, dtypes: list[torch.dtype]) -> int:
+    """Build (never launch) every kernel the cases call in each of ``dtypes``, for CUDA compute capability
+    ``capability``.
 
     Triton's active driver is replaced by one that names that target and no
     device, and every launch becomes a compile-only warm-up, so inputs stay CPU
@@ -608,7 +609,7 @@ def compile_for(capability: int) -> int:
     try:
         checker = Checker(PROFILES["compile"], torch.device("cpu"))
         cases = 0
-        for dtype in (torch.bfloat16, torch.float16, torch.float32):  # each builds its own kernels
+        for dtype in dtypes:  # each builds its own kernels
             checker.dtype = dtype
             for name, case in checker.cases():
                 cases += 1
@@ -625,7 +626,7 @@ def compile_for(capability: int) -> int:
     import triton
 
     print(f"Triton {triton.__version__}, sm_{capability}: {len(built)} kernels built ({', '.join(sorted(built))}); "
-          f"{len(failures)} of {cases} cases failed (bf16, fp16, fp32)")
+          f"{len(failures)} of {cases} cases failed ({', '.join(str(d).replace('torch.', '') for d in dtypes)})")
     return 1 if failures else 0
 
 
@@ -635,10 +636,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="gpu_check.json", help="JSON file for the full numbers")
     parser.add_argument("--compile-for", type=int, metavar="CC",
                         help="no GPU needed: build every kernel for CUDA compute capability CC (e.g. 90), run none")
+    parser.add_argument("--compile-dtypes", default="bfloat16,float16,float32", metavar="LIST",
+                        help="with --compile-for: the dtypes to build for (default: %(default)s)")
     parser.add_argument("--interpret-smoke", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.compile_for is not None:
-        return compile_for(args.compile_for)
+        names = [name.strip() for name in args.compile_dtypes.split(",") if name.strip()]
+        if not names or any(name not in ("bfloat16", "float16", "float32") for name in names):
+            parser.error(f"--compile-dtypes: expected names from bfloat16,float16,float32, got {args.compile_dtypes!r}")
+        return compile_for(args.compile_for, [getattr(torch, name) for name in names])
     if args.interpret_smoke:
         # The interpreter must be on before any Triton kernel module is imported.
         os.environ["TRITON_INTERPRET"] = "1"
