@@ -179,6 +179,14 @@ def prefill_and_decode(model, ids, mask, steps):
     return outputs, cache
 
 
+def assert_outputs_close(got: list, expected: list, mask: torch.Tensor, atol: float = 2e-5) -> None:
+    """:func:`prefill_and_decode`'s outputs against the unpatched model's, within ``atol``: the prefill's
+    real rows (``mask``; padding rows are not compared), then every decode step."""
+    real = mask.bool()
+    assert (got[0][real] - expected[0][real]).abs().max().item() <= atol
+    for step in range(1, len(got)):
+        assert (got[step] - expected[step]).abs().max().item() <= atol, f"decode step {step}"
+
 def run_on_triton(monkeypatch) -> set[tuple[str, str]]:
     """Make every op run its Triton kernel (here in Triton's interpreter; the test is skipped without Triton)
     and return the set that fills with ``(package, op)`` of each kernel that runs, ``package`` the one it

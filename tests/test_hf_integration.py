@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import DynamicCache, Qwen4ExpForCausalLM, Qwen4ExpTextConfig, Qwen4ExpTextModel  # noqa: E402
 
 from hf_parity import NEW_TOKENS, PROMPT_LENGTHS, generate, left_padded_batch, prefill_and_decode  # noqa: E402
-from hf_parity import run_on_triton  # noqa: E402
+from hf_parity import assert_outputs_close, run_on_triton  # noqa: E402
 from hf_parity import one_torch_thread  # noqa: E402, F401  (a fixture, used through pytestmark)
 
 from sparsekv import InsufficientPagesError  # noqa: E402
@@ -142,10 +142,7 @@ def test_direct_prefill_and_decode_match_hf(checkpoint, cls):
     expected, _ = prefill_and_decode(load(checkpoint, cls), ids, mask, steps)
     model = patch_model(load(checkpoint, cls), page_size=8, num_pages=32)
     got, cache = prefill_and_decode(model, ids, mask, steps)
-    real = mask.bool()
-    assert (got[0][real] - expected[0][real]).abs().max().item() <= 2e-5  # padding rows are not compared
-    for step in range(1, len(got)):
-        assert (got[step] - expected[step]).abs().max().item() <= 2e-5
+    assert_outputs_close(got, expected, mask)
     assert get_manager(model).num_requests == 2
     end_generation(cache)
     assert_no_pages(model)
@@ -277,10 +274,7 @@ def test_prefill_and_decode_match_hf_on_the_triton_backend(checkpoint, monkeypat
     ran = run_on_triton(monkeypatch)
     model = patch_model(load(checkpoint), page_size=8, num_pages=32)
     got, cache = prefill_and_decode(model, ids, mask, steps)
-    real = mask.bool()
-    assert (got[0][real] - expected[0][real]).abs().max().item() <= 2e-5  # padding rows are not compared
-    for step in range(1, len(got)):
-        assert (got[step] - expected[step]).abs().max().item() <= 2e-5
+    assert_outputs_close(got, expected, mask)
     end_generation(cache)
     assert_no_pages(model)
     assert ran >= {("triton", op) for op in ("paged_store", "qsa_store_block_keys_paged", "qsa_block_score_paged",
