@@ -18,6 +18,7 @@ from sparsekv.kernels.cpu._bits import (bf16_to_f32, f16_to_f32, f16_to_f32_in_i
 from sparsekv.kernels.cpu import _bits as cpu_bits
 from sparsekv.kernels.cpu import qsa as cpu_qsa
 from sparsekv.kernels.reference import qsa as ref_qsa
+from sparsekv.numerics import sqrt_rn
 
 
 def naive_block_key(raw: torch.Tensor, gamma: torch.Tensor, freqs_row: torch.Tensor, eps: float) -> torch.Tensor:
@@ -32,7 +33,7 @@ def naive_block_key(raw: torch.Tensor, gamma: torch.Tensor, freqs_row: torch.Ten
     squares = torch.zeros((), dtype=torch.float32)
     for d in range(dim):  # channel order, as the reference defines it
         squares = squares + m[d] * m[d]
-    inv = 1.0 / torch.sqrt(squares / dim + eps)
+    inv = 1.0 / sqrt_rn(squares / dim + eps)
     x = (m * inv * (1.0 + gamma.float())).to(dtype).float()
     half = rotary // 2
     cos = freqs_row[0::2].to(dtype).float()

@@ -19,6 +19,7 @@ require_triton()
 from sparsekv import rope_freqs_cis
 from sparsekv.kernels.reference import qsa as ref
 from sparsekv.kernels.triton import qsa as tri
+from sparsekv.numerics import sqrt_rn
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
@@ -179,7 +180,7 @@ def sequential_inv_rms(keys: torch.Tensor, eps: float) -> torch.Tensor:
     squares = torch.zeros(keys.shape[0])
     for d in range(keys.shape[1]):
         squares = squares + keys[:, d] * keys[:, d]
-    return 1.0 / torch.sqrt(squares / keys.shape[1] + eps)
+    return 1.0 / sqrt_rn(squares / keys.shape[1] + eps)
 
 
 def gamma_flipping_rounding(key: torch.Tensor, inv_rms: torch.Tensor, other_inv_rms: torch.Tensor,
@@ -214,7 +215,7 @@ def test_compress_one_ulp_of_the_sum_of_squares_shows(dtype):
         (torch.rand(4000, 1, generator=gen) * 2 - 1) * spread + torch.rand(head_dim, generator=gen) * 2 - 1)
     candidates = candidates.to(dtype).float()
     inv_rms = sequential_inv_rms(candidates, eps)
-    tree_inv_rms = 1.0 / torch.sqrt((candidates * candidates).sum(1) / head_dim + eps)
+    tree_inv_rms = 1.0 / sqrt_rn((candidates * candidates).sum(1) / head_dim + eps)
     sensitive = candidates[inv_rms != tree_inv_rms][: (head_dim - rotary_dim) // 2]
     assert sensitive.shape[0] >= 16, "too few random keys whose sum of squares depends on the order"
     keys, inv_rms = sensitive, sequential_inv_rms(sensitive, eps)
