@@ -187,6 +187,7 @@ def assert_outputs_close(got: list, expected: list, mask: torch.Tensor, atol: fl
     for step in range(1, len(got)):
         assert (got[step] - expected[step]).abs().max().item() <= atol, f"decode step {step}"
 
+
 def run_on_triton(monkeypatch) -> set[tuple[str, str]]:
     """Make every op run its Triton kernel (here in Triton's interpreter; the test is skipped without Triton)
     and return the set that fills with ``(package, op)`` of each kernel that runs, ``package`` the one it

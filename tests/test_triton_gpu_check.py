@@ -62,7 +62,7 @@ def test_check_uses_the_tests_spec4_rule():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU machine runs the kernels themselves")
 def test_every_kernel_builds_for_hopper_with_the_installed_triton(tmp_path):
     """Triton's whole compiler (not the interpreter the other tests use) down to an sm_90 cubin, into an empty
-    cache: a kernel that only fails to build on a GPU fails here. A bad ``--compile-dtypes`` is refused."""
+    cache: a kernel that only fails to build on a GPU fails here."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton_cache")
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"

@@ -53,13 +53,13 @@ def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
     of two neighbouring floats when ``x > m * m``, and ``m * m`` (at most 50
     significant bits) is exact in float64.
     """
-    root = torch.sqrt(x.double()).float()
-    up, down = torch.nextafter(root, torch.full_like(root, float("inf"))), torch.nextafter(root, torch.zeros_like(root))
     wide = x.double()
+    root = torch.sqrt(wide).float()
+    up, down = torch.nextafter(root, torch.full_like(root, float("inf"))), torch.nextafter(root, torch.zeros_like(root))
     upper_mid = (root.double() + up.double()) / 2
     lower_mid = (root.double() + down.double()) / 2
-    root = torch.where(wide > upper_mid * upper_mid, up, root)
-    return torch.where((wide < lower_mid * lower_mid) & (root > 0), down, root)
+    root_rn = torch.where(wide > upper_mid * upper_mid, up, root)
+    return torch.where((wide < lower_mid * lower_mid) & (root > 0), down, root_rn)
 
 
 def rms_norm_zero_centred(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
