@@ -50,19 +50,36 @@ __all__ = ["qsa_block_score", "qsa_block_score_paged", "qsa_compress_keys_paged"
 # compress (SPEC 2.2)
 # ---------------------------------------------------------------------------
 @triton.jit
-def _add_squares_in_order(total, x, columns, NUM_COLUMNS: tl.constexpr):
-    """``total [BJ]`` plus ``x[:, c] * x[:, c]`` for ``c = 0 .. NUM_COLUMNS-1``, added one column at a time.
+def _add_squares_in_order(total, x, NUM_COLUMNS: tl.constexpr):
+    """``total [BJ]`` plus ``x[:, c] * x[:, c]`` for the columns ``c < NUM_COLUMNS`` of ``x [BJ, W]``, added one
+    column at a time, in column order, as the reference's channel loop adds them.
 
-    Each column's square is picked out of the tile by a sum over one nonzero
-    element and zeros, which is exact in any order; the adds into ``total``
-    then run in column order, as the reference's channel loop does. A plain
-    ``tl.sum`` reduces in a tree, and a one-ulp change of the sum of squares
-    can grow into several ulps of the key after the RoPE subtraction.
+    A plain ``tl.sum`` reduces in a tree, and a one-ulp change of the sum of
+    squares can grow into several ulps of the key after the RoPE subtraction.
+    Each column is picked out of the tile by a sum of its square and ``-0.0``
+    everywhere else, which is exact in any order. ``c`` is a compile-time
+    constant: the compiler then drops the ``-0.0`` terms of the columns a
+    thread holds (``x + -0.0 == x``), so a column costs a select and a sum
+    over the few lanes that share a tile row. Loading each column again from
+    global memory would instead cost a 2-byte gather per token and channel
+    (32 cache lines per warp-wide load) and the block mean computed twice.
     """
+    columns = tl.arange(0, x.shape[1])
     squares = x * x
-    for c in range(NUM_COLUMNS):
-        total += tl.sum(tl.where(columns[None, :] == c, squares, 0.0), axis=1)
+    for c in tl.static_range(x.shape[1]):
+        if c < NUM_COLUMNS:
+            total += tl.sum(tl.where(columns[None, :] == c, squares, -0.0), axis=1)
     return total
+
+
+@triton.jit
+def _divide_by_ratio(total, RATIO: tl.constexpr):
+    """``total / RATIO`` correctly rounded (fp32, any shape). For a power of two this is the product with
+    its exact reciprocal, the same value without ``div_rn``'s refinement steps and special-case branch."""
+    if (RATIO & (RATIO - 1)) == 0:
+        return total * (1.0 / RATIO)
+    else:
+        return tl.div_rn(total, tl.zeros_like(total) + RATIO)
 
 
 @triton.jit
@@ -72,7 +89,7 @@ def _compress_kernel(
     out_stride, out_layer_offset, eps,
     RATIO: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, PAGE_SIZE: tl.constexpr,
     ROW_WIDTH: tl.constexpr, DTYPE: tl.constexpr,
-    BJ: tl.constexpr, BH: tl.constexpr, BP: tl.constexpr, PAGED_OUT: tl.constexpr,
+    BJ: tl.constexpr, BH: tl.constexpr, BR: tl.constexpr, PAGED_OUT: tl.constexpr,
 ):
     """Blocks of one sequence, ``BJ`` per program. ``PAGED_OUT`` false: blocks ``0 .. max_blocks - 1`` into rows
     ``seq * max_blocks + j`` of ``out`` (``out_stride`` apart), zeros past the complete ones. ``PAGED_OUT``
@@ -88,47 +105,57 @@ def _compress_kernel(
         num_blocks = tl.minimum(tl.maximum(tl.load(key_counts_ptr + seq), 0) // RATIO, max_blocks)
     j_ok = blocks_j < num_blocks
 
-    # Channels split into the two rotated halves and the pass-through rest,
-    # so the NeoX partner of channel i (i + HALF) sits at the same tile column.
+    # Channels in four tiles: the two rotated halves, so the NeoX partner of
+    # channel i (i + HALF) sits at the same tile column, and the pass-through
+    # rest in two halves. Each column of the in-order sum of squares costs a
+    # reduction over the lanes that share a tile row (16 bytes each), so one
+    # rest tile twice as wide would make its columns cost about twice as much.
     half_ch = tl.arange(0, BH)
     half_ok = half_ch < HALF
-    pass_ch = 2 * HALF + tl.arange(0, BP)
-    pass_ok = pass_ch < HEAD_DIM
+    rest_a_ch = 2 * HALF + tl.arange(0, BR)
+    rest_a_ok = rest_a_ch < HEAD_DIM
+    rest_b_ch = rest_a_ch + BR
+    rest_b_ok = rest_b_ch < HEAD_DIM
 
     # 1. mean of the block's R raw keys, summed in token order in fp32.
     for i in tl.static_range(RATIO):
         page, page_row, valid = lookup_page(lookup_ptr, lookup_stride, seq, blocks_j * RATIO + i, max_pages,
                                             num_pages, PAGE_SIZE)
-        valid = valid & j_ok
-        base = (page * page_stride + layer_offset + page_row.to(tl.int64) * ROW_WIDTH)[:, None]
-        lo = tl.load(blocks_ptr + base + half_ch[None, :], mask=valid[:, None] & half_ok[None, :], other=0.0)
-        hi = tl.load(blocks_ptr + base + HALF + half_ch[None, :], mask=valid[:, None] & half_ok[None, :],
-                     other=0.0)
-        rest = tl.load(blocks_ptr + base + pass_ch[None, :], mask=valid[:, None] & pass_ok[None, :], other=0.0)
+        row_at = blocks_ptr + (page * page_stride + layer_offset + page_row.to(tl.int64) * ROW_WIDTH)[:, None]
+        valid = (valid & j_ok)[:, None]
+        lo = tl.load(row_at + half_ch[None, :], mask=valid & half_ok[None, :], other=0.0).to(tl.float32)
+        hi = tl.load(row_at + HALF + half_ch[None, :], mask=valid & half_ok[None, :], other=0.0).to(tl.float32)
+        rest_a = tl.load(row_at + rest_a_ch[None, :], mask=valid & rest_a_ok[None, :], other=0.0).to(tl.float32)
+        rest_b = tl.load(row_at + rest_b_ch[None, :], mask=valid & rest_b_ok[None, :], other=0.0).to(tl.float32)
         if i == 0:
-            sum_lo, sum_hi, sum_rest = lo.to(tl.float32), hi.to(tl.float32), rest.to(tl.float32)
+            sum_lo, sum_hi, sum_rest_a, sum_rest_b = lo, hi, rest_a, rest_b
         else:
-            sum_lo += lo.to(tl.float32)
-            sum_hi += hi.to(tl.float32)
-            sum_rest += rest.to(tl.float32)
-    mean_lo = round_to(tl.div_rn(sum_lo, tl.zeros_like(sum_lo) + RATIO), DTYPE).to(tl.float32)
-    mean_hi = round_to(tl.div_rn(sum_hi, tl.zeros_like(sum_hi) + RATIO), DTYPE).to(tl.float32)
-    mean_rest = round_to(tl.div_rn(sum_rest, tl.zeros_like(sum_rest) + RATIO), DTYPE).to(tl.float32)
+            sum_lo += lo
+            sum_hi += hi
+            sum_rest_a += rest_a
+            sum_rest_b += rest_b
+    mean_lo = round_to(_divide_by_ratio(sum_lo, RATIO), DTYPE).to(tl.float32)
+    mean_hi = round_to(_divide_by_ratio(sum_hi, RATIO), DTYPE).to(tl.float32)
+    mean_rest_a = round_to(_divide_by_ratio(sum_rest_a, RATIO), DTYPE).to(tl.float32)
+    mean_rest_b = round_to(_divide_by_ratio(sum_rest_b, RATIO), DTYPE).to(tl.float32)
 
     # 2. zero-centred RMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + gamma), the sum of
     #    squares in channel order d = 0..D-1: the low half, the high half, the rest.
     square_sum = tl.zeros([BJ], dtype=tl.float32)
-    square_sum = _add_squares_in_order(square_sum, mean_lo, half_ch, HALF)
-    square_sum = _add_squares_in_order(square_sum, mean_hi, half_ch, HALF)
-    square_sum = _add_squares_in_order(square_sum, mean_rest, pass_ch - 2 * HALF, HEAD_DIM - 2 * HALF)
+    square_sum = _add_squares_in_order(square_sum, mean_lo, HALF)
+    square_sum = _add_squares_in_order(square_sum, mean_hi, HALF)
+    square_sum = _add_squares_in_order(square_sum, mean_rest_a, HEAD_DIM - 2 * HALF)
+    square_sum = _add_squares_in_order(square_sum, mean_rest_b, HEAD_DIM - 2 * HALF - BR)
     mean_square = tl.div_rn(square_sum, tl.zeros_like(square_sum) + HEAD_DIM)
     inv_rms = tl.div_rn(tl.zeros_like(mean_square) + 1.0, tl.sqrt_rn(mean_square + eps))[:, None]
     g_lo = 1.0 + tl.load(gamma_ptr + half_ch, mask=half_ok, other=0.0).to(tl.float32)
     g_hi = 1.0 + tl.load(gamma_ptr + HALF + half_ch, mask=half_ok, other=0.0).to(tl.float32)
-    g_rest = 1.0 + tl.load(gamma_ptr + pass_ch, mask=pass_ok, other=0.0).to(tl.float32)
+    g_rest_a = 1.0 + tl.load(gamma_ptr + rest_a_ch, mask=rest_a_ok, other=0.0).to(tl.float32)
+    g_rest_b = 1.0 + tl.load(gamma_ptr + rest_b_ch, mask=rest_b_ok, other=0.0).to(tl.float32)
     x_lo = round_to(mean_lo * inv_rms * g_lo[None, :], DTYPE).to(tl.float32)
     x_hi = round_to(mean_hi * inv_rms * g_hi[None, :], DTYPE).to(tl.float32)
-    x_rest = round_to(mean_rest * inv_rms * g_rest[None, :], DTYPE)
+    x_rest_a = round_to(mean_rest_a * inv_rms * g_rest_a[None, :], DTYPE)
+    x_rest_b = round_to(mean_rest_b * inv_rms * g_rest_b[None, :], DTYPE)
 
     # 3. NeoX RoPE at the block's first token; cos/sin rounded to the key dtype.
     freq_row = blocks_j * RATIO
@@ -151,7 +178,8 @@ def _compress_kernel(
         store_ok = (blocks_j < max_blocks)[:, None]
     tl.store(out_at + half_ch[None, :], tl.where(keep, y_lo, 0.0), mask=store_ok & half_ok[None, :])
     tl.store(out_at + HALF + half_ch[None, :], tl.where(keep, y_hi, 0.0), mask=store_ok & half_ok[None, :])
-    tl.store(out_at + pass_ch[None, :], tl.where(keep, x_rest, 0.0), mask=store_ok & pass_ok[None, :])
+    tl.store(out_at + rest_a_ch[None, :], tl.where(keep, x_rest_a, 0.0), mask=store_ok & rest_a_ok[None, :])
+    tl.store(out_at + rest_b_ch[None, :], tl.where(keep, x_rest_b, 0.0), mask=store_ok & rest_b_ok[None, :])
 
 
 @triton.jit
@@ -173,6 +201,11 @@ def _load_blocks_kernel(
                    + channels[None, :], mask=read, other=0.0)
     out_at = out_ptr + (seq * max_blocks + blocks_j).to(tl.int64)[:, None] * out_stride + channels[None, :]
     tl.store(out_at, rows, mask=(blocks_j < max_blocks)[:, None] & channel_ok[None, :])
+
+
+def _rest_tile_width(head_dim: int, half: int) -> int:
+    """Width of each of the compress kernel's two pass-through tiles (``head_dim - 2 * half`` channels)."""
+    return max(1, next_pow2(head_dim - 2 * half) // 2)
 
 
 def qsa_compress_keys_paged(
@@ -224,7 +257,7 @@ def qsa_compress_keys_paged(
         block_keys.stride(0), 0, float(eps),
         RATIO=ratio, HEAD_DIM=head_dim, HALF=half, PAGE_SIZE=page_size, ROW_WIDTH=row_width,
         DTYPE=TL_DTYPES[block_keys.dtype],
-        BJ=block_j, BH=next_pow2(half), BP=next_pow2(head_dim - 2 * half), PAGED_OUT=False,
+        BJ=block_j, BH=next_pow2(half), BR=_rest_tile_width(head_dim, half), PAGED_OUT=False,
         enable_fp_fusion=False,  # keep each product rounded like the reference
     )
 
@@ -269,7 +302,7 @@ def qsa_store_block_keys_paged(
         page_stride_of(block_blocks), layer * per_page * head_dim, float(eps),
         RATIO=ratio, HEAD_DIM=head_dim, HALF=half, PAGE_SIZE=page_size, ROW_WIDTH=row_width,
         DTYPE=TL_DTYPES[block_blocks.dtype],
-        BJ=block_j, BH=next_pow2(half), BP=next_pow2(head_dim - 2 * half), PAGED_OUT=True,
+        BJ=block_j, BH=next_pow2(half), BR=_rest_tile_width(head_dim, half), PAGED_OUT=True,
         enable_fp_fusion=False,
     )
 
