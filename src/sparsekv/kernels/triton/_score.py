@@ -100,6 +100,20 @@ def _score_kernel(
     tl.store(out, result, mask=row_ok[:, None] & (cols < out_cols)[None, :])
 
 
+def _score_launch(total_q: int, num_seqs: int, num_heads: int, dot_fp32: bool) -> dict:
+    """Launch parameters of the score kernel: ``BQ`` query rows of one sequence times ``HB`` heads per matrix
+    product, ``BG`` keys per program, and its warps.
+
+    ``M = BQ * HB`` (query rows x heads) is 16..64, 32 for fp32, which runs on FMA units.
+    """
+    max_m = 32 if dot_fp32 else 64
+    heads_per_dot = min(next_pow2(num_heads), max_m)
+    rows_per_seq = -(-total_q // num_seqs)
+    rows_per_tile = min(max(next_pow2(rows_per_seq), max(1, 16 // heads_per_dot)), max(1, max_m // heads_per_dot))
+    return {"BQ": rows_per_tile, "HB": heads_per_dot, "BG": _KEY_TILE // 2 if dot_fp32 else _KEY_TILE,
+            "num_warps": 8 if dot_fp32 else 4}
+
+
 def launch_score(
     scores: torch.Tensor,
     q: torch.Tensor,
@@ -141,11 +155,6 @@ def launch_score(
         return
     paged = lookup_table is not None
     dot_fp32 = q.dtype == torch.float32 or q.dtype != keys.dtype
-    # M = rows_per_tile * heads_per_dot (query rows x heads) is 16..64 (32 for fp32, which runs on FMA units).
-    max_m = 32 if dot_fp32 else 64
-    heads_per_dot = min(next_pow2(num_heads), max_m)
-    rows_per_seq = -(-total_q // num_seqs)
-    rows_per_tile = min(max(next_pow2(rows_per_seq), max(1, 16 // heads_per_dot)), max(1, max_m // heads_per_dot))
     if paged:
         _, _, _, page_size, _, _ = keys.shape
         page_stride = page_stride_of(keys)
@@ -157,8 +166,8 @@ def launch_score(
         page_size, page_stride, layer_offset, keys_stride = 1, 0, 0, keys.stride(0)
         lookup, lookup_stride, max_pages, num_pages = input_row_offsets, 0, 0, 0
     weights = head_weights if head_weights is not None else scores
-    key_tile = _KEY_TILE // 2 if dot_fp32 else _KEY_TILE
-    grid = (triton.cdiv(total_q, rows_per_tile) + num_seqs, triton.cdiv(out_cols, key_tile))
+    launch = _score_launch(total_q, num_seqs, num_heads, dot_fp32)
+    grid = (triton.cdiv(total_q, launch["BQ"]) + num_seqs, triton.cdiv(out_cols, launch["BG"]))
     _score_kernel[grid](
         scores, q, keys, weights, lookup, query_positions, input_row_offsets,
         num_seqs, col_limit, out_cols, keys_per_seq, float(score_scale),
@@ -166,6 +175,5 @@ def launch_score(
         lookup_stride, max_pages, num_pages, page_stride, layer_offset,
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, RATIO=ratio, PAGED=paged, PAGE_SIZE=page_size,
         HAS_WEIGHTS=head_weights is not None,
-        DOT_FP32=dot_fp32, BQ=rows_per_tile, HB=heads_per_dot, BG=key_tile, BD=max(next_pow2(head_dim), 16),
-        SEQS_P=next_pow2(num_seqs), num_warps=8 if dot_fp32 else 4,
+        DOT_FP32=dot_fp32, BD=max(next_pow2(head_dim), 16), SEQS_P=next_pow2(num_seqs), **launch,
     )

@@ -48,6 +48,14 @@ def _paged_store_kernel(
     tl.store(blocks_ptr + dst, tl.load(values_ptr + src, mask=mask), mask=mask)
 
 
+def _store_launch(row_width: int) -> dict:
+    """Launch parameters of the paged-store kernel for rows of ``row_width`` elements: a tile of
+    ``BLOCK_ROWS x BLOCK_COLS`` elements (about ``_TARGET_ELEMENTS``) per program, and its warps."""
+    block_cols = min(next_pow2(row_width), _TARGET_ELEMENTS)
+    block_rows = max(1, min(64, _TARGET_ELEMENTS // block_cols))
+    return {"BLOCK_ROWS": block_rows, "BLOCK_COLS": block_cols, "num_warps": 4}
+
+
 def paged_store(
     blocks: torch.Tensor,
     values: torch.Tensor,
@@ -81,14 +89,13 @@ def paged_store(
     values, lookup_table = unit_stride(values), unit_stride(lookup_table)
     cache_lengths, input_row_offsets = unit_stride(cache_lengths), unit_stride(input_row_offsets)
     row_width = num_heads * head_size
-    block_cols = min(next_pow2(row_width), _TARGET_ELEMENTS)
-    block_rows = max(1, min(64, _TARGET_ELEMENTS // block_cols))
-    grid = (triton.cdiv(total_rows, block_rows), triton.cdiv(row_width, block_cols))
+    launch = _store_launch(row_width)
+    grid = (triton.cdiv(total_rows, launch["BLOCK_ROWS"]), triton.cdiv(row_width, launch["BLOCK_COLS"]))
     _paged_store_kernel[grid](
         blocks, values, lookup_table, cache_lengths, input_row_offsets,
         total_rows, num_seqs, blocks.shape[0], lookup_table.shape[1], lookup_table.stride(0),
         page_stride_of(blocks), (plane * num_layers + layer) * page_size * row_width,
         values.stride(0), values.stride(1),
         NUM_HEADS=num_heads, HEAD_SIZE=head_size, PAGE_SIZE=page_size,
-        BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, STEPS=search_steps(num_seqs),
+        STEPS=search_steps(num_seqs), **launch,
     )

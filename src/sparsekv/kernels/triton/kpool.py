@@ -157,6 +157,12 @@ def _compress_kernel(
     tl.store(out_at, result, mask=ok[:, None] & chan_ok[None, :])
 
 
+def _compress_launch(head_dim: int) -> dict:
+    """Launch parameters of the in-call compress kernel for keys of ``head_dim`` channels: ``BP`` pools times
+    ``BD`` channels per program, and its warps."""
+    return {"BP": _POOLS_PER_PROGRAM, "BD": min(next_pow2(head_dim), _MAX_CHANNELS), "num_warps": 4}
+
+
 def mla_kpool_compress(
     pooled: torch.Tensor,
     k: torch.Tensor,
@@ -188,14 +194,13 @@ def mla_kpool_compress(
     k, gate, ape = unit_stride(k), unit_stride(gate), unit_stride(ape)
     input_row_offsets, pool_row_offsets = unit_stride(input_row_offsets), unit_stride(pool_row_offsets)
     cache_lengths = unit_stride(cache_lengths)
-    block_d = min(next_pow2(head_dim), _MAX_CHANNELS)
-    grid = (triton.cdiv(total_pools, _POOLS_PER_PROGRAM), triton.cdiv(head_dim, block_d))
+    launch = _compress_launch(head_dim)
+    grid = (triton.cdiv(total_pools, launch["BP"]), triton.cdiv(head_dim, launch["BD"]))
     _compress_kernel[grid](
         pooled, k, gate, ape, input_row_offsets, pool_row_offsets, cache_lengths,
         total_pools, k.shape[0], num_seqs, pooled.stride(0), k.stride(0), gate.stride(0), ape.stride(0), head_dim,
         KPOOL=kpool, MODE=mode_id, DTYPE=TL_DTYPES[pooled.dtype],
-        BP=_POOLS_PER_PROGRAM, BD=block_d, STEPS=search_steps(num_seqs),
-        enable_fp_fusion=False,
+        STEPS=search_steps(num_seqs), enable_fp_fusion=False, **launch,
     )
 
 

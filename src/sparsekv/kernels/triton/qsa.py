@@ -203,6 +203,18 @@ def _load_blocks_kernel(
     tl.store(out_at, rows, mask=(blocks_j < max_blocks)[:, None] & channel_ok[None, :])
 
 
+def _compress_launch(head_dim: int) -> dict:
+    """Launch parameters of the compress kernel for keys of ``head_dim`` channels: ``BJ`` blocks per program,
+    and its warps."""
+    return {"BJ": max(1, min(32, 4096 // next_pow2(head_dim))), "num_warps": 4}
+
+
+def _load_blocks_launch(head_dim: int) -> dict:
+    """Launch parameters of the block-key load kernel for keys of ``head_dim`` channels: ``BJ`` rows per
+    program, and its warps."""
+    return {"BJ": max(1, min(64, 8192 // next_pow2(head_dim))), "num_warps": 4}
+
+
 def _rest_tile_width(head_dim: int, half: int) -> int:
     """Width of each of the compress kernel's two pass-through tiles (``head_dim - 2 * half`` channels)."""
     return max(1, next_pow2(head_dim - 2 * half) // 2)
@@ -247,8 +259,8 @@ def qsa_compress_keys_paged(
     gamma, freqs_cis = gamma.contiguous(), unit_stride(freqs_cis)
     key_counts, lookup_table = unit_stride(key_counts), unit_stride(lookup_table)
     half = rotary_dim // 2
-    block_j = max(1, min(32, 4096 // next_pow2(head_dim)))
-    grid = (batch, triton.cdiv(max_blocks, block_j))
+    launch = _compress_launch(head_dim)
+    grid = (batch, triton.cdiv(max_blocks, launch["BJ"]))
     row_width = num_heads * head_dim
     _compress_kernel[grid](
         block_keys, gamma, freqs_cis, key_counts, blocks, lookup_table, key_counts,
@@ -257,8 +269,9 @@ def qsa_compress_keys_paged(
         block_keys.stride(0), 0, float(eps),
         RATIO=ratio, HEAD_DIM=head_dim, HALF=half, PAGE_SIZE=page_size, ROW_WIDTH=row_width,
         DTYPE=TL_DTYPES[block_keys.dtype],
-        BJ=block_j, BH=next_pow2(half), BR=_rest_tile_width(head_dim, half), PAGED_OUT=False,
+        BH=next_pow2(half), BR=_rest_tile_width(head_dim, half), PAGED_OUT=False,
         enable_fp_fusion=False,  # keep each product rounded like the reference
+        **launch,
     )
 
 
@@ -291,8 +304,8 @@ def qsa_store_block_keys_paged(
     key_counts, first_blocks = unit_stride(key_counts), unit_stride(first_blocks)
     lookup_table = unit_stride(lookup_table)
     half = freqs_cis.shape[1] // 2
-    block_j = max(1, min(32, 4096 // next_pow2(head_dim)))
-    grid = (batch, triton.cdiv(max_new_blocks, block_j))
+    launch = _compress_launch(head_dim)
+    grid = (batch, triton.cdiv(max_new_blocks, launch["BJ"]))
     row_width = num_heads * head_dim
     per_page = block_blocks.shape[3]
     _compress_kernel[grid](
@@ -302,8 +315,8 @@ def qsa_store_block_keys_paged(
         page_stride_of(block_blocks), layer * per_page * head_dim, float(eps),
         RATIO=ratio, HEAD_DIM=head_dim, HALF=half, PAGE_SIZE=page_size, ROW_WIDTH=row_width,
         DTYPE=TL_DTYPES[block_blocks.dtype],
-        BJ=block_j, BH=next_pow2(half), BR=_rest_tile_width(head_dim, half), PAGED_OUT=True,
-        enable_fp_fusion=False,
+        BH=next_pow2(half), BR=_rest_tile_width(head_dim, half), PAGED_OUT=True,
+        enable_fp_fusion=False, **launch,
     )
 
 
@@ -331,12 +344,12 @@ def qsa_load_block_keys_paged(
         block_keys.copy_(packed)
         return
     key_counts, lookup_table = unit_stride(key_counts), unit_stride(lookup_table)
-    block_j = max(1, min(64, 8192 // next_pow2(head_dim)))
-    _load_blocks_kernel[(batch, triton.cdiv(max_blocks, block_j))](
+    launch = _load_blocks_launch(head_dim)
+    _load_blocks_kernel[(batch, triton.cdiv(max_blocks, launch["BJ"]))](
         block_keys, key_counts, block_blocks, lookup_table,
         max_blocks, block_blocks.shape[0], lookup_table.shape[1], lookup_table.stride(0),
         page_stride_of(block_blocks), layer * per_page * head_dim, block_keys.stride(0),
-        RATIO=ratio, HEAD_DIM=head_dim, PER_PAGE=per_page, BJ=block_j, BD=next_pow2(head_dim),
+        RATIO=ratio, HEAD_DIM=head_dim, PER_PAGE=per_page, BD=next_pow2(head_dim), **launch,
     )
 
 
