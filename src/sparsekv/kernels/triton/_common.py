@@ -25,6 +25,7 @@ __all__ = [
     "mma",
     "next_pow2",
     "page_stride_of",
+    "round_bf16_in_integers",
     "round_to",
     "search_steps",
     "unit_stride",
@@ -68,19 +69,30 @@ def unit_stride(t: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def round_to(x, DTYPE: tl.constexpr):
-    """Cast fp32 ``x`` to ``DTYPE`` with round-to-nearest-even.
+def round_bf16_in_integers(x):
+    """fp32 ``x`` to bfloat16, rounded to nearest even in integer arithmetic (any shape).
 
-    bfloat16 is rounded explicitly in integer arithmetic: the interpreter's
-    float32 -> bfloat16 cast truncates, and the explicit form gives the same
-    bits on every backend (the final cast is then exact). NaN payloads are
-    not preserved (NaN stays NaN).
+    The final cast is exact, so the result does not depend on how a backend
+    rounds that cast. NaN stays NaN (its payload is not preserved).
     """
-    if DTYPE == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        rounded = tl.where(x != x, bits, rounded)  # noqa: PLR0124 - NaN test
-        return rounded.to(tl.float32, bitcast=True).to(tl.bfloat16)
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    # A NaN keeps its bits with the quiet bit set: its high half is then a NaN
+    # too, also where the payload sat in the low half only.
+    rounded = tl.where(x != x, bits | 0x400000, rounded)  # noqa: PLR0124 - NaN test
+    return rounded.to(tl.float32, bitcast=True).to(tl.bfloat16)
+
+
+@triton.jit
+def round_to(x, DTYPE: tl.constexpr):
+    """Cast fp32 ``x`` to ``DTYPE`` with round-to-nearest-even; NaN stays NaN.
+
+    On a GPU that is the plain cast (``cvt.rn``). The interpreter's float32 ->
+    bfloat16 cast truncates, so there bfloat16 goes through
+    :func:`round_bf16_in_integers`, which gives the GPU cast's bits.
+    """
+    if _INTERPRETED and DTYPE == tl.bfloat16:
+        return round_bf16_in_integers(x)
     else:
         return x.to(DTYPE)
 
