@@ -63,6 +63,17 @@ def num_splits(total_q: int, kv_heads: int, width: int, block_n: int, device: to
     return max(1, min(triton.cdiv(wanted, programs), triton.cdiv(width, 2 * block_n), _MAX_SPLITS))
 
 
+def _attention_launch(total_q: int, kv_heads: int, width: int, head_dim: int, is_fp32: bool,
+                      device: torch.device) -> dict:
+    """Launch parameters of :func:`_attention_kernel` for ``total_q`` rows x ``kv_heads`` KV heads over index
+    rows of ``width`` entries of ``head_dim`` channels: ``BN`` entries per iteration, ``splits`` spans per
+    index row (1: no merge), and the warps and software-pipeline stages (Triton's defaults, never tuned)."""
+    block_d = max(next_pow2(head_dim), 16)
+    block_n = 16 if is_fp32 else max(16, min(64, 8192 // block_d))
+    return {"BN": block_n, "splits": num_splits(total_q, kv_heads, width, block_n, device),
+            "num_warps": 4, "num_stages": 3}
+
+
 @triton.jit
 def finish(acc, running_max, denom, row, heads, head_ok, dims, dim_ok,
             out_ptr, lse_ptr, gate_ptr, out_stride_row, out_stride_head, gate_stride_row, gate_stride_head,
@@ -274,9 +285,9 @@ def qsa_sparse_attention_paged(
     width = indices.shape[1]
     block_d = max(next_pow2(head_dim), 16)
     is_fp32 = q.dtype == torch.float32 or q.dtype != blocks.dtype
-    block_n = 16 if is_fp32 else max(16, min(64, 8192 // block_d))
     block_g = max(next_pow2(group), 16)
-    splits = num_splits(total_q, kv_heads, width, block_n, q.device)
+    launch = _attention_launch(total_q, kv_heads, width, head_dim, is_fp32, q.device)
+    block_n, splits = launch["BN"], launch["splits"]
     span = triton.cdiv(triton.cdiv(max(width, 1), splits), block_n) * block_n
     if splits > 1:
         parts = total_q * q_heads * splits
@@ -295,7 +306,8 @@ def qsa_sparse_attention_paged(
         indices.stride(0), lse.stride(0), lse.stride(1),
         ROW_WIDTH=row_width, PAGE_SIZE=page_size, IS_FP32=is_fp32,
         SPLIT=splits > 1, SPLIT_SCALE=4096.0 if blocks.dtype == torch.float16 else 1.0,
-        BN=block_n, STEPS=search_steps(num_seqs), **shared,
+        BN=block_n, STEPS=search_steps(num_seqs), num_warps=launch["num_warps"], num_stages=launch["num_stages"],
+        **shared,
     )
     if splits > 1:
         merge_kernel[(total_q, kv_heads)](

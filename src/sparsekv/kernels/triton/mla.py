@@ -38,6 +38,17 @@ __all__ = ["mla_sparse_attention_paged"]
 HEADS_PER_PROGRAM = 16
 
 
+def _mla_launch(total_q: int, q_heads: int, width: int, v_dim: int, is_fp32: bool, device: torch.device) -> dict:
+    """Launch parameters of :func:`_mla_attention_kernel` for ``total_q`` rows of ``q_heads`` heads over index
+    rows of ``width`` entries with ``v_dim`` value channels: ``BH`` heads and ``BN`` entries per program and
+    iteration, ``splits`` spans per index row (1: no merge), its warps and software-pipeline stages
+    (Triton's default; never tuned)."""
+    block_n = 16 if is_fp32 else 32
+    head_blocks = triton.cdiv(q_heads, HEADS_PER_PROGRAM)
+    return {"BH": HEADS_PER_PROGRAM, "BN": block_n, "splits": num_splits(total_q, head_blocks, width, block_n, device),
+            "num_warps": 4 if max(next_pow2(v_dim), 16) <= 128 else 8, "num_stages": 3}
+
+
 @triton.jit
 def _mla_attention_kernel(
     out_ptr, lse_ptr, q_ptr, blocks_ptr, lookup_ptr, indices_ptr, counts_ptr, offsets_ptr,
@@ -136,9 +147,9 @@ def mla_sparse_attention_paged(
     block_v = max(next_pow2(v_dim), 16)
     block_rest = max(next_pow2(head_dim - v_dim), 16)
     is_fp32 = q.dtype == torch.float32
-    block_n = 16 if is_fp32 else 32
-    head_blocks = triton.cdiv(q_heads, HEADS_PER_PROGRAM)
-    splits = num_splits(total_q, head_blocks, width, block_n, q.device)
+    launch = _mla_launch(total_q, q_heads, width, v_dim, is_fp32, q.device)
+    block_n, splits = launch["BN"], launch["splits"]
+    head_blocks = triton.cdiv(q_heads, launch["BH"])
     span = triton.cdiv(triton.cdiv(max(width, 1), splits), block_n) * block_n
     if splits > 1:
         parts = total_q * q_heads * splits
@@ -154,8 +165,8 @@ def mla_sparse_attention_paged(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), indices.stride(0), lse.stride(0), lse.stride(1),
         Q_HEADS=q_heads, HEAD_DIM=head_dim, V_DIM=v_dim, PAGE_SIZE=page_size, DTYPE=dtype, IS_FP32=is_fp32,
         SPLIT=splits > 1, SPLIT_SCALE=4096.0 if blocks.dtype == torch.float16 else 1.0,
-        BH=HEADS_PER_PROGRAM, BN=block_n, BV=block_v, BR=block_rest, STEPS=search_steps(num_seqs),
-        num_warps=4 if block_v <= 128 else 8,
+        BH=launch["BH"], BN=block_n, BV=block_v, BR=block_rest, STEPS=search_steps(num_seqs),
+        num_warps=launch["num_warps"], num_stages=launch["num_stages"],
     )
     if splits > 1:  # one head per merge program (GROUP = 1; a 2-lane block, the second lane masked)
         merge_kernel[(total_q, q_heads)](
