@@ -48,6 +48,8 @@ __all__ = ["qsa_sparse_attention_paged"]
 #: 1.15x faster than the 3 splits that 2 programs per SM asked for, and the 8 programs of B=4 ran alike with 1, 12
 #: or 16 splits; MLA likewise.
 PROGRAMS_PER_SM = 0.5
+#: Programs per SM up to which a QSA launch takes the decode tiles (:func:`_attention_launch`).
+_DECODE_PROGRAMS_PER_SM = 4
 _MAX_SPLITS = 32
 
 
@@ -71,14 +73,22 @@ def _attention_launch(total_q: int, kv_heads: int, width: int, head_dim: int, is
                       device: torch.device) -> dict:
     """Launch parameters of :func:`_attention_kernel` for ``total_q`` rows x ``kv_heads`` KV heads over index
     rows of ``width`` entries of ``head_dim`` channels: ``BN`` entries per iteration, ``splits`` spans per
-    index row (1: no merge), and the warps and software-pipeline stages. For bf16/fp16, 64 entries an
-    iteration (up to ``D = 256``) on 8 warps in 2 stages: an H200 sweep of 200 launches (2048 entries a row,
-    D=256) measured it 1.08x the 32 entries on 4 warps in 3 stages at B=64 x 32k (no split) and 1.74x at B=4 x
-    128k (12 splits; 1 and 16 alike). The fp32 launch was not swept."""
+    index row (1: no merge), and the warps and software-pipeline stages.
+
+    bf16/fp16 launches of a few programs per SM at most (decode) take 64 entries an iteration (up to ``D =
+    256``) on 8 warps in 2 stages: an H200 sweep of 200 launches (2048 entries a row, D=256) measured that
+    1.08x the 32 entries on 4 warps in 3 stages at B=64 x 32k (no split) and 1.74x at B=4 x 128k (12 splits;
+    1 and 16 alike). Larger launches (prefill) keep the latter, which ran a B=4 x 2048-row prefill 1.08-1.13x
+    faster. The fp32 launch was not swept."""
     block_d = max(next_pow2(head_dim), 16)
-    block_n = 16 if is_fp32 else max(16, min(64, 16384 // block_d))
+    if is_fp32:
+        block_n, warps, stages = 16, 4, 3
+    elif total_q * kv_heads <= _DECODE_PROGRAMS_PER_SM * _sm_count(device):
+        block_n, warps, stages = max(16, min(64, 16384 // block_d)), 8, 2
+    else:
+        block_n, warps, stages = max(16, min(64, 8192 // block_d)), 4, 3
     return {"BN": block_n, "splits": num_splits(total_q, kv_heads, width, block_n, device),
-            "num_warps": 4 if is_fp32 else 8, "num_stages": 3 if is_fp32 else 2}
+            "num_warps": warps, "num_stages": stages}
 
 
 @triton.jit
