@@ -42,13 +42,14 @@ def _mla_launch(total_q: int, q_heads: int, width: int, v_dim: int, is_fp32: boo
     """Launch parameters of :func:`_mla_attention_kernel` for ``total_q`` rows of ``q_heads`` heads over index
     rows of ``width`` entries with ``v_dim`` value channels: ``BH`` heads and ``BN`` entries per program and
     iteration, ``splits`` spans per index row (1: no merge), its warps and software-pipeline stages. For
-    bf16/fp16, 32 heads x 64 entries in 2 stages (an H200 sweep of 246 launches, 128 heads, 2048 entries a row:
-    1.95x the 16 heads x 32 entries in 3 stages at B=64 x 32k, 1.48x at B=4 x 128k with 8 splits). The fp32
-    launch was not swept."""
+    bf16/fp16, 32 heads (16 where there are no more) x 64 entries in 2 stages (an H200 sweep of 233 launches,
+    128 heads, 2048 entries a row: 1.95x the 16 heads x 32 entries in 3 stages at B=64 x 32k, 1.48x at B=4 x
+    128k with 8 splits). The fp32 launch was not swept."""
     if is_fp32:
         block_h, block_n, stages = HEADS_PER_PROGRAM, 16, 3
     else:
-        block_h, block_n, stages = 2 * HEADS_PER_PROGRAM, 64, 2
+        block_h = min(2 * HEADS_PER_PROGRAM, max(HEADS_PER_PROGRAM, next_pow2(q_heads)))
+        block_n, stages = 64, 2
     head_blocks = triton.cdiv(q_heads, block_h)
     return {"BH": block_h, "BN": block_n, "splits": num_splits(total_q, head_blocks, width, block_n, device),
             "num_warps": 4 if max(next_pow2(v_dim), 16) <= 128 else 8, "num_stages": stages}
