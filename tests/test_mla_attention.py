@@ -29,11 +29,12 @@ def latent_cache(rng, lengths, width, dtype, *, page_size=16, num_layers=2, laye
     return histories, blocks, table
 
 
-def random_case(rng, dtype):
-    """A ragged batch: odd head counts, rope 0 or 16 channels, garbage past the counts, duplicates."""
+def random_case(rng, dtype, heads=None):
+    """A ragged batch: odd head counts (or ``heads``), rope 0 or 16 channels, garbage past the counts,
+    duplicates."""
     batch = rng.randrange(1, 5)
     rank, rope = rng.choice([(64, 16), (64, 0), (48, 8)])
-    heads = rng.choice([1, 7, 16, 33])
+    heads = heads or rng.choice([1, 7, 16, 33])
     rows = [rng.randrange(0, 4) for _ in range(batch)]
     cache_lengths = [rng.randrange(0, rng.choice([40, 300])) for _ in range(batch)]
     lengths = [c + n for c, n in zip(cache_lengths, rows)]
@@ -62,14 +63,15 @@ def run_kernel(fn, case):
     return out, lse
 
 
-def check_backend_against_reference(fn, dtype, cases, seed):
-    """``cases`` random cases through ``fn`` and the reference; SPEC 4 on lse and the outputs."""
+def check_backend_against_reference(fn, dtype, cases, seed, heads=None):
+    """``cases`` random cases (of ``heads`` heads if given) through ``fn`` and the reference; SPEC 4 on lse
+    and the outputs."""
     print(f"seed {seed}")
     rng = random.Random(seed)
     torch.manual_seed(seed)
     outs, want_outs = [], []
     for _ in range(cases):
-        case = random_case(rng, dtype)
+        case = random_case(rng, dtype, heads)
         out, lse = run_kernel(fn, case)
         want_out, want_lse = run_kernel(ref_mla.mla_sparse_attention_paged, case)
         assert_lse_close(lse, want_lse, case["counts"])
@@ -87,24 +89,36 @@ def test_cpu_matches_reference(dtype):
     check_backend_against_reference(cpu_mla.mla_sparse_attention_paged, dtype, 10, random.randrange(1 << 30))
 
 
-def test_cpu_bits_do_not_depend_on_threads_head_chunks_or_batch(monkeypatch):
-    """Each head's arithmetic is fixed: any thread count, head chunking or batch split gives the same bits."""
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+def test_cpu_key_chunks_match_reference(dtype, monkeypatch):
+    """Rows of more than 8 heads (33) sum their softmax and P.V in key chunks (16 here, so that most rows of
+    the random cases have several): SPEC 4 against the reference."""
+    monkeypatch.setattr(cpu_mla, "KEY_CHUNK", 16)
+    check_backend_against_reference(cpu_mla.mla_sparse_attention_paged, dtype, 6, random.randrange(1 << 30), heads=33)
+
+
+@pytest.mark.parametrize("key_chunk", [cpu_mla.KEY_CHUNK, 16])
+def test_cpu_bits_do_not_depend_on_threads_head_chunks_or_batch(key_chunk, monkeypatch):
+    """Each head's arithmetic is fixed: any thread count, head chunking or batch split gives the same bits;
+    with key chunks (16) too, a row alone on two threads running its chunks as tasks of their own."""
+    monkeypatch.setattr(cpu_mla, "KEY_CHUNK", key_chunk)
     seed = random.randrange(1 << 30)
     print(f"seed {seed}")
     rng = random.Random(seed)
     torch.manual_seed(seed)
     case = random_case(rng, rng.choice(DTYPES))
-    while case["q"].shape[0] == 0:
+    while case["q"].shape[0] == 0 or int(case["counts"].max()) <= 16:
         case = random_case(rng, rng.choice(DTYPES))
     case["q"] = torch.randn(case["q"].shape[0], 37, case["q"].shape[2]).to(case["q"].dtype)
     want_out, want_lse = run_kernel(cpu_mla.mla_sparse_attention_paged, case)
-    for threads, heads_per_task in ((1, 16), (2, 32), (2, 37)):
+    for threads, heads_per_task, chunk_tasks in ((1, 16, False), (2, 32, False), (2, 37, False), (2, 37, True)):
         monkeypatch.setattr(cpu_attend, "threads_for", lambda work, n=threads: numba_threads(n))
         monkeypatch.setattr(cpu_attend, "heads_per_task", lambda total_q, kv_heads, group, threads, h=heads_per_task: h)
+        monkeypatch.setattr(cpu_attend, "chunks_as_tasks", lambda total_q, kv_heads, threads, c=chunk_tasks: c)
         out, lse = run_kernel(cpu_mla.mla_sparse_attention_paged, case)
         assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
     offsets = case["offsets"].tolist()
-    for b in range(len(offsets) - 1):  # each row alone, as a batch of one sequence
+    for b in range(len(offsets) - 1):  # each row alone, as a batch of one sequence (key chunks as tasks)
         for r in range(offsets[b], offsets[b + 1]):
             alone = dict(case, q=case["q"][r : r + 1], indices=case["indices"][r : r + 1],
                          counts=case["counts"][r : r + 1], table=case["table"][b : b + 1],

@@ -77,6 +77,28 @@ def exp_f32(x: np.float32) -> np.float32:
 
 
 @numba.njit(inline="always", cache=True, error_model="numpy")
+def scale_logits(logits, n0, n1, lanes, scale, row_max):
+    """``logits[n, :lanes] *= scale`` (float32) for ``n0 <= n < n1``, in key order, raising ``row_max [lanes]`` to
+    the largest of them (the first of equal values stays; NaN never counts)."""
+    for n in range(n0, n1):
+        for h in range(lanes):
+            value = logits[n, h] * np.float32(scale)
+            logits[n, h] = value
+            row_max[h] = value if value > row_max[h] else row_max[h]
+
+
+@numba.njit(inline="always", cache=True, error_model="numpy")
+def exp_weights(logits, n0, n1, lanes, row_max, denom):
+    """``logits[n, h] = exp_f32(logits[n, h] - row_max[h])`` for ``n0 <= n < n1``, ``h < lanes``, each added to
+    ``denom[h]`` in key order."""
+    for n in range(n0, n1):
+        for h in range(lanes):
+            weight = exp_f32(logits[n, h] - row_max[h])
+            logits[n, h] = weight
+            denom[h] += weight
+
+
+@numba.njit(inline="always", cache=True, error_model="numpy")
 def scaled_softmax_in_place(logits, count, lanes, scale):
     """Turn ``logits[:count, :lanes]`` (float32 dots, one column per head) into unnormalised softmax weights.
 
@@ -85,17 +107,9 @@ def scaled_softmax_in_place(logits, count, lanes, scale):
     order, so the log-sum-exp of a column is ``row_max + log(denom)``.
     """
     row_max = np.full(lanes, -np.inf, np.float32)
-    for n in range(count):
-        for h in range(lanes):
-            value = logits[n, h] * np.float32(scale)
-            logits[n, h] = value
-            row_max[h] = value if value > row_max[h] else row_max[h]
+    scale_logits(logits, 0, count, lanes, scale, row_max)
     denom = np.zeros(lanes, np.float32)
-    for n in range(count):
-        for h in range(lanes):
-            weight = exp_f32(logits[n, h] - row_max[h])
-            logits[n, h] = weight
-            denom[h] += weight
+    exp_weights(logits, 0, count, lanes, row_max, denom)
     return row_max, denom
 
 

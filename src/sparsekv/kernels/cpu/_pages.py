@@ -38,15 +38,17 @@ def first_missing_page(table, num_pages, page_size, entry_counts):
 
 @numba.njit(cache=True, nogil=True)
 def _scan_counted_entries(table, num_pages, page_size, indices, counts, offsets):
-    """One pass over every row's counted entries: ``(seq_of_row, bad_row, bad_entry, counted, most_rows)``.
+    """One pass over every row's counted entries: ``(seq_of_row, bad_row, bad_entry, counted, most_rows,
+    longest)``.
 
     ``seq_of_row [total_q]`` int64 is each row's sequence; ``(bad_row, bad_entry)`` the first counted
     position (row by row) that is negative or has no valid page, ``(-1, -1)`` if none; ``counted`` the
-    entries counted in all (``counts`` clipped to ``[0, W]``); ``most_rows`` the most rows of one sequence.
+    entries counted in all (``counts`` clipped to ``[0, W]``); ``most_rows`` the most rows of one sequence;
+    ``longest`` the most entries one row counts.
     """
     batch = offsets.shape[0] - 1
     seq_of_row = np.empty(offsets[batch], np.int64)
-    counted = 0
+    counted = longest = 0
     most_rows = 0
     for b in range(batch):
         most_rows = max(most_rows, offsets[b + 1] - offsets[b])
@@ -54,21 +56,22 @@ def _scan_counted_entries(table, num_pages, page_size, indices, counts, offsets)
             seq_of_row[r] = b
             count = max(min(counts[r], indices.shape[1]), 0)
             counted += count
+            longest = max(longest, count)
             for i in range(count):
                 position = indices[r, i]
                 if position < 0 or _page_missing(table, b, position // page_size, num_pages):
-                    return seq_of_row, r, i, counted, most_rows
-    return seq_of_row, -1, -1, counted, most_rows
+                    return seq_of_row, r, i, counted, most_rows, longest
+    return seq_of_row, -1, -1, counted, most_rows, longest
 
 
 def plan_counted_rows(lookup_table, num_pages, page_size, indices, counts, input_row_offsets):
-    """``(seq_of_row, counted, most_rows)`` of :func:`_scan_counted_entries`, after checking every counted
+    """``(seq_of_row, counted, most_rows, longest)`` of :func:`_scan_counted_entries`, after checking every counted
     entry in the same pass: the first (row by row) that is negative or has no valid page raises the
     reference's :func:`counted_entry_error`. All int32 CPU tensors: ``lookup_table [B, max_pages]``,
     ``indices [total_q, W]``, ``counts [total_q]``, ``input_row_offsets [B+1]``.
     """
-    seq_of_row, r, i, counted, most_rows = _scan_counted_entries(
+    seq_of_row, r, i, counted, most_rows, longest = _scan_counted_entries(
         lookup_table.numpy(), num_pages, page_size, indices.numpy(), counts.numpy(), input_row_offsets.numpy())
     if r >= 0:
         raise counted_entry_error(lookup_table, num_pages, page_size, indices, counts, r, i, int(seq_of_row[r]))
-    return seq_of_row, counted, most_rows
+    return seq_of_row, counted, most_rows, longest

@@ -34,6 +34,15 @@ takes up to ``GROUPS_PER_TASK`` groups and runs them KV head by KV head
 (:func:`attend_row_groups`), so a head's keys, read again by the next group,
 are still in cache.
 
+A KV head with more than 8 query heads (MLA's 16-128) may instead sum its
+softmax denominators and P.V in chunks of ``key_chunk`` keys, added in
+order at the end. When a call has fewer (row, KV head) pairs than threads
+(a decode step of one sequence), the chunks are the tasks
+(:func:`split_rows_kernel`): each thread reads its chunk's rows for every
+head, where a split of the heads had each thread read every row (at 16 heads
+on two threads: one task, one thread, 1.27 -> 0.85 ms). The chunking is a
+property of the row, so the bits do not depend on which way it ran.
+
 Heads are split into chunks only as far as needed to give every thread a
 task (a decode step of one sequence still uses every core); each head's
 arithmetic is the same whatever chunk or tile it lands in (lanes are
@@ -52,7 +61,7 @@ import torch
 from numba import prange
 
 from ._bits import as_numba, narrow, widen
-from ._math import scaled_softmax_in_place, scaled_softmax_of_members
+from ._math import exp_weights, scale_logits, scaled_softmax_in_place, scaled_softmax_of_members
 from ._pages import plan_counted_rows
 from ._paged_rows import flat_plane, plane_span, query_tile_of_heads, token_starts, zero_heads
 from ._parallel import PARALLEL_JIT, balanced_order, threads_for
@@ -64,36 +73,77 @@ GROUPS_PER_TASK = 8  # groups of rows sharing a tile per task, at most (several 
 
 
 @numba.njit(cache=True, nogil=True)
+def dots_at_positions(logits, starts, q_t, positions, table_row, cache, page_stride, key_base, page_size, kv_heads,
+                      kv_head, dim):
+    """Q.K of the query tile ``q_t`` with KV head ``kv_head``'s keys (``dim`` channels) at ``positions`` of one
+    sequence, read where they lie: ``starts`` (``>= count + 2 * KEYS_PER_TILE``) gets the keys' flat starts
+    (:func:`._paged_rows.token_starts`), ``logits`` (``>= count + KEYS_PER_TILE`` rows) the dots."""
+    count, lanes = positions.shape[0], q_t.shape[1]
+    token_starts(starts, positions, table_row, page_size, page_stride, key_base, kv_heads, kv_head, dim)
+    dots_of_gathered_rows(logits, q_t, cache, starts, count, dim, lanes, new_scratch(cache, dim))
+
+
+@numba.njit(cache=True, nogil=True)
+def add_weighted_values(acc, weights, value_starts, cache, apart, count, lanes_used, v_dim):
+    """``acc[l] += sum_n weights[n, l] * value_n`` over the ``count`` rows of ``v_dim`` channels at ``value_starts``
+    (keys in order), gathered a batch at a time. Values apart from the keys (QSA's value plane) come from
+    memory: P.V on one batch prefetches the next. MLA's values are the latent rows Q.K has just read: no
+    prefetch, and larger batches."""
+    values = new_value_scratch(cache, v_dim, acc.shape[1])  # bf16 stays bits; padding channels 0
+    batch = VALUE_ROWS if apart else 2 * VALUE_ROWS
+    for n0 in range(0, count, batch):
+        rows = min(batch, count - n0)
+        gather_rows(values, cache, value_starts[n0:], rows, v_dim)
+        # the next batch's starts (fewer near the end: the slice stops at the array's end; none for MLA)
+        weighted_rows(acc, weights[n0:], values, lanes_used, rows, cache,
+                      value_starts[n0 + batch : n0 + batch + (batch if apart else 0)])
+
+
+@numba.njit(cache=True, nogil=True)
+def add_chunk(acc, denom, part, part_denom, lanes_used):
+    """``acc += part``, ``denom += part_denom``: a key chunk's partial sums joining those before it."""
+    for lane in range(lanes_used):
+        denom[lane] += part_denom[lane]
+        for d in range(acc.shape[1]):
+            acc[lane, d] += part[lane, d]
+
+
+@numba.njit(cache=True, nogil=True)
 def attend_positions(q_t, positions, table_row, cache, page_stride, key_base, value_shift, page_size, kv_heads,
-                     kv_head, dim, scale, selected, lanes_used, v_dim, padded_v):
+                     kv_head, dim, scale, selected, lanes_used, v_dim, padded_v, key_chunk):
     """One pass of the query tile ``q_t`` (``lanes`` wide) over KV head ``kv_head``'s keys (``dim`` channels)
     at ``positions`` of one sequence: Q.K where the keys lie, the softmax per lane (``selected [count,
     lanes]``: only the keys each lane counts, :func:`._math.scaled_softmax_of_members`; ``None``: every key),
-    then P.V over the first ``v_dim`` channels of the rows ``value_shift`` elements after the keys,
-    gathered a batch at a time (values apart from the keys: the next batch prefetched during P.V). Returns the
+    then P.V over the first ``v_dim`` channels of the rows ``value_shift`` elements after the keys.
+    With ``key_chunk > 0`` (and ``selected`` None) the denominators and P.V sum each ``key_chunk`` keys
+    apart, then add the chunks' sums in order: the arithmetic of :func:`split_rows_kernel`. Returns the
     unnormalised ``acc [lanes, padded_v]`` and the lanes' ``row_max`` and ``denom``."""
     count, lanes = positions.shape[0], q_t.shape[1]
     logits = np.empty((count + KEYS_PER_TILE, lanes), np.float32)
     starts = np.empty(count + 2 * KEYS_PER_TILE, np.int64)
-    token_starts(starts, positions, table_row, page_size, page_stride, key_base, kv_heads, kv_head, dim)
-    dots_of_gathered_rows(logits, q_t, cache, starts, count, dim, lanes, new_scratch(cache, dim))
+    dots_at_positions(logits, starts, q_t, positions, table_row, cache, page_stride, key_base, page_size, kv_heads,
+                      kv_head, dim)
+    starts += value_shift
+    acc = np.zeros((lanes, padded_v), np.float32)
+    if key_chunk > 0 and count > key_chunk:
+        row_max = np.full(lanes, -np.inf, np.float32)
+        scale_logits(logits, 0, count, lanes, scale, row_max)
+        denom = np.zeros(lanes, np.float32)
+        part = np.empty((lanes, padded_v), np.float32)
+        part_denom = np.empty(lanes, np.float32)
+        for c0 in range(0, count, key_chunk):
+            c1 = min(c0 + key_chunk, count)
+            part[:] = 0.0
+            part_denom[:] = 0.0
+            exp_weights(logits, c0, c1, lanes, row_max, part_denom)
+            add_weighted_values(part, logits[c0:], starts[c0:], cache, value_shift != 0, c1 - c0, lanes_used, v_dim)
+            add_chunk(acc, denom, part, part_denom, lanes_used)
+        return acc, row_max, denom
     if selected is None:
         row_max, denom = scaled_softmax_in_place(logits, count, lanes, scale)
     else:
         row_max, denom = scaled_softmax_of_members(logits, count, selected, scale)
-    acc = np.zeros((lanes, padded_v), np.float32)
-    values = new_value_scratch(cache, v_dim, padded_v)  # bf16 stays bits; padding channels 0
-    starts += value_shift
-    # Values apart from the keys (QSA's value plane) come from memory: P.V on one batch prefetches the next.
-    # MLA's values are the latent rows Q.K has just read: no prefetch, and larger batches.
-    apart = value_shift != 0
-    batch = VALUE_ROWS if apart else 2 * VALUE_ROWS
-    for n0 in range(0, count, batch):
-        rows = min(batch, count - n0)
-        gather_rows(values, cache, starts[n0:], rows, v_dim)
-        # the next batch's starts (fewer near the end: the slice stops at the array's end; none for MLA)
-        weighted_rows(acc, logits[n0:], values, lanes_used, rows, cache,
-                      starts[n0 + batch : n0 + batch + (batch if apart else 0)])
+    add_weighted_values(acc, logits, starts, cache, value_shift != 0, count, lanes_used, v_dim)
     return acc, row_max, denom
 
 
@@ -178,15 +228,16 @@ def attend_packed_rows(out, lse, q, cache, page_stride, key_base, value_shift, p
         put_queries(q_t, j * group, q[r0 + j, h0 : h0 + group])
     acc, row_max, denom = attend_positions(q_t, merged, table[seq_of_row[r0]], cache, page_stride, key_base,
                                            value_shift, page_size, kv_heads, kv_head, dim, scale, selected,
-                                           rows * group, out.shape[2], padded_v)
+                                           rows * group, out.shape[2], padded_v, 0)
     for j in range(rows):
         write_heads(out, lse, acc, row_max, denom, r0 + j, h0, j * group, group, gate, has_gate)
 
 
 @numba.njit(cache=True, nogil=True)
 def attend_heads(out, lse, q, cache, page_stride, key_base, value_shift, page_size, kv_heads, table, indices, counts,
-                 seq_of_row, scale, gate, has_gate, r, kv_head, h0, heads, lanes, padded_v):
-    """Row ``r``'s query heads ``h0 .. h0+heads-1`` (all reading KV head ``kv_head``) in the lanes of one tile."""
+                 seq_of_row, scale, gate, has_gate, r, kv_head, h0, heads, lanes, padded_v, key_chunk):
+    """Row ``r``'s query heads ``h0 .. h0+heads-1`` (all reading KV head ``kv_head``) in the lanes of one tile
+    (``key_chunk``: :func:`attend_positions`)."""
     dim = q.shape[2]
     count = min(counts[r], indices.shape[1])
     if count <= 0:
@@ -195,7 +246,7 @@ def attend_heads(out, lse, q, cache, page_stride, key_base, value_shift, page_si
     q_t = query_tile_of_heads(q, r, h0, heads, lanes)
     acc, row_max, denom = attend_positions(q_t, indices[r, :count], table[seq_of_row[r]], cache, page_stride,
                                            key_base, value_shift, page_size, kv_heads, kv_head, dim, scale, None,
-                                           heads, out.shape[2], padded_v)
+                                           heads, out.shape[2], padded_v, key_chunk)
     write_heads(out, lse, acc, row_max, denom, r, h0, 0, heads, gate, has_gate)
 
 
@@ -234,13 +285,13 @@ def attend_row_groups(out, lse, q, cache, page_stride, key_base, value_shift, pa
                 for r in range(r0, r0 + rows):
                     attend_heads(out, lse, q, cache, page_stride, key_base, value_shift, page_size, kv_heads, table,
                                  indices, counts, seq_of_row, scale, gate, has_gate, r, kv_head, kv_head * group,
-                                 group, lanes, padded_v)
+                                 group, lanes, padded_v, 0)
 
 
 @numba.njit(**PARALLEL_JIT)
 def sparse_attention_kernel(out, lse, q, cache, page_stride, key_base, value_shift, page_size, kv_heads, table,
                             indices, counts, seq_of_row, scale, gate, has_gate, heads_per_task, rows_per_task,
-                            groups_per_task):
+                            groups_per_task, key_chunk):
     """One task per (row, KV head, chunk of ``heads_per_task`` of its query heads); with ``rows_per_task > 1``
     one task per ``groups_per_task`` groups of ``rows_per_task`` rows (:func:`attend_row_groups`).
 
@@ -249,7 +300,8 @@ def sparse_attention_kernel(out, lse, q, cache, page_stride, key_base, value_shi
     on (first ``Dv`` channels). ``q [total_q, q_heads, D]``; ``out [total_q, q_heads, Dv]``, ``gate`` (when
     ``has_gate``) ``[total_q, q_heads, Dv]``; ``lse [total_q, q_heads]`` float32; bf16/fp16 as bits.
     ``rows_per_task > 1`` needs every head of a KV head in one task (``heads_per_task == q_heads //
-    kv_heads``) and ``rows_per_task * heads_per_task <= VECTOR``.
+    kv_heads``) and ``rows_per_task * heads_per_task <= VECTOR``, and ``key_chunk == 0``
+    (:func:`attend_positions`).
     """
     total_q, q_heads, _ = q.shape
     group = q_heads // kv_heads
@@ -271,7 +323,91 @@ def sparse_attention_kernel(out, lse, q, cache, page_stride, key_base, value_shi
         h0 = kv_head * group + chunk * heads_per_task
         attend_heads(out, lse, q, cache, page_stride, key_base, value_shift, page_size, kv_heads, table, indices,
                      counts, seq_of_row, scale, gate, has_gate, r, kv_head, h0,
-                     min(heads_per_task, (kv_head + 1) * group - h0), lanes, padded_v)
+                     min(heads_per_task, (kv_head + 1) * group - h0), lanes, padded_v, key_chunk)
+
+
+@numba.njit(**PARALLEL_JIT)
+def split_rows_kernel(out, lse, q, cache, page_stride, key_base, value_shift, page_size, kv_heads, table, indices,
+                      counts, seq_of_row, scale, gate, has_gate, key_chunk):
+    """:func:`sparse_attention_kernel` with ``heads_per_task`` the whole group and ``rows_per_task == 1``, for
+    a few rows with more keys than ``key_chunk``: each (row, KV head)'s keys run as chunks of ``key_chunk`` in
+    tasks of their own, so that every thread gets work without splitting the heads (the tile keeps all of a
+    KV head's query heads as lanes, and each thread reads only its chunk's rows). Three passes: Q.K of each
+    chunk with the chunk's largest logit; weights against the row's largest and the chunk's P.V; the chunks'
+    sums added in order. The bits are :func:`attend_positions`' with the same ``key_chunk``."""
+    total_q, q_heads, dim = q.shape
+    group = q_heads // kv_heads
+    lanes = (group + VECTOR - 1) // VECTOR * VECTOR
+    v_dim = out.shape[2]
+    padded_v = (v_dim + WEIGHTED_CHANNELS - 1) // WEIGHTED_CHANNELS * WEIGHTED_CHANNELS
+    width = indices.shape[1]
+    most = 1
+    for r in range(total_q):
+        most = max(most, min(counts[r], width))
+    chunks = (most + key_chunk - 1) // key_chunk
+    units = total_q * kv_heads
+    logits = np.empty((units, chunks, key_chunk + KEYS_PER_TILE, lanes), np.float32)
+    starts = np.empty((units, chunks, key_chunk + 2 * KEYS_PER_TILE), np.int64)
+    chunk_max = np.empty((units, chunks, lanes), np.float32)
+    denoms = np.empty((units, chunks, lanes), np.float32)
+    accs = np.empty((units, chunks, lanes, padded_v), np.float32)
+    for task in prange(units * chunks):
+        unit, c = task // chunks, task % chunks
+        r, kv_head = unit // kv_heads, unit % kv_heads
+        count = min(counts[r], width)
+        if c * key_chunk >= count:
+            continue
+        c1 = min((c + 1) * key_chunk, count)
+        q_t = query_tile_of_heads(q, r, kv_head * group, group, lanes)
+        dots_at_positions(logits[unit, c], starts[unit, c], q_t, indices[r, c * key_chunk : c1],
+                          table[seq_of_row[r]], cache, page_stride, key_base, page_size, kv_heads, kv_head, dim)
+        chunk_max[unit, c] = -np.inf
+        scale_logits(logits[unit, c], 0, c1 - c * key_chunk, lanes, scale, chunk_max[unit, c])
+    for task in prange(units * chunks):
+        unit, c = task // chunks, task % chunks
+        r = unit // kv_heads
+        count = min(counts[r], width)
+        if c * key_chunk >= count:
+            continue
+        rows = min(key_chunk, count - c * key_chunk)
+        row_max = row_max_of_chunks(chunk_max[unit], (count + key_chunk - 1) // key_chunk)
+        accs[unit, c] = 0.0
+        denoms[unit, c] = 0.0
+        exp_weights(logits[unit, c], 0, rows, lanes, row_max, denoms[unit, c])
+        value_starts = starts[unit, c]
+        value_starts += value_shift
+        add_weighted_values(accs[unit, c], logits[unit, c], value_starts, cache, value_shift != 0, rows, group, v_dim)
+    for unit in prange(units):
+        r, kv_head = unit // kv_heads, unit % kv_heads
+        count = min(counts[r], width)
+        if count <= 0:
+            zero_heads(out, lse, r, kv_head * group, group)
+            continue
+        row_chunks = (count + key_chunk - 1) // key_chunk
+        acc = np.zeros((lanes, padded_v), np.float32)
+        denom = np.zeros(lanes, np.float32)
+        for c in range(row_chunks):
+            add_chunk(acc, denom, accs[unit, c], denoms[unit, c], group)
+        write_heads(out, lse, acc, row_max_of_chunks(chunk_max[unit], row_chunks), denom, r, kv_head * group, 0,
+                    group, gate, has_gate)
+
+
+@numba.njit(cache=True, nogil=True)
+def row_max_of_chunks(chunk_max, chunks):
+    """The largest of the first ``chunks`` rows of ``chunk_max [>= chunks, lanes]`` per lane, in chunk order
+    (the first of equal values, as one pass over the row's keys keeps)."""
+    row_max = chunk_max[0].copy()
+    for c in range(1, chunks):
+        for lane in range(row_max.shape[0]):
+            value = chunk_max[c, lane]
+            row_max[lane] = value if value > row_max[lane] else row_max[lane]
+    return row_max
+
+
+def chunks_as_tasks(total_q: int, kv_heads: int, threads: int) -> bool:
+    """Whether rows split into key chunks run them as tasks of their own (:func:`split_rows_kernel`): when
+    there are fewer (row, KV head) pairs than threads."""
+    return total_q * kv_heads < threads
 
 
 def heads_per_task(total_q: int, kv_heads: int, group: int, threads: int) -> int:
@@ -303,11 +439,16 @@ def groups_per_task(total_q: int, kv_heads: int, rows: int, threads: int) -> int
 
 
 def sparse_attention(out, lse, q, blocks, lookup_table, indices, counts, input_row_offsets, layer, scale, gate,
-                     value_plane):
+                     value_plane, key_chunk=0):
     """Run :func:`sparse_attention_kernel` on torch tensors (the contract of the reference
     ``qsa_sparse_attention_paged`` / ``mla_sparse_attention_paged``): values in plane ``value_plane`` of the
     cache, or (``None``) the first ``out.shape[2]`` channels of the key rows. Counted entries are validated
     (negative positions, missing pages) before the kernel starts, so a raising call writes nothing.
+
+    ``key_chunk > 0``: where a KV head has more than ``VECTOR // 2`` query heads (its rows never share a
+    tile), a row with more keys than that sums its softmax denominators and P.V ``key_chunk`` keys at a
+    time (:func:`attend_positions`); when there are fewer (row, KV head) pairs than threads, the chunks
+    are the tasks (:func:`split_rows_kernel`). The bits depend on ``key_chunk``, never on the threads.
 
     Everything before the kernel is one pass over the rows and a few views: the kernel before it (a decode
     step's, or the previous layer's) has evicted this code from the caches, where each numba or torch call
@@ -318,24 +459,27 @@ def sparse_attention(out, lse, q, blocks, lookup_table, indices, counts, input_r
     if total_q == 0 or q_heads == 0:
         return
     kv_heads = blocks.shape[4]
-    seq_of_row, counted, most_rows = plan_counted_rows(lookup_table, blocks.shape[0], blocks.shape[3], indices, counts,
-                                                       input_row_offsets)
+    seq_of_row, counted, most_rows, longest = plan_counted_rows(lookup_table, blocks.shape[0], blocks.shape[3], indices,
+                                                                counts, input_row_offsets)
     target = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
     lse_target = lse if lse.is_contiguous() else torch.empty_like(lse, memory_format=torch.contiguous_format)
     q_bits = as_numba(q.contiguous())
     gate_bits = as_numba(gate.contiguous()) if gate is not None else q_bits[:0]  # unread without a gate
     cache, page_stride, key_base = flat_plane(blocks, 0, layer)
     value_shift = 0 if value_plane is None else value_plane * plane_span(blocks)
+    group = q_heads // kv_heads
+    key_chunk = key_chunk if group > VECTOR // 2 else 0
     # the split follows the threads the block gets (one while the cores are taken)
     with threads_for(counted * q_heads * (dim + out.shape[2])) as threads:
-        group = q_heads // kv_heads
-        per_task = heads_per_task(total_q, kv_heads, group, threads)
-        rows = rows_per_task(total_q, most_rows, group, per_task, threads)
-        sparse_attention_kernel(
-            as_numba(target), lse_target.numpy(), q_bits, cache, page_stride, key_base, value_shift,
-            blocks.shape[3], kv_heads, lookup_table.numpy(), indices.numpy(), counts.numpy(), seq_of_row,
-            float(scale), gate_bits, gate is not None, per_task, rows,
-            groups_per_task(total_q, kv_heads, rows, threads))
+        args = (as_numba(target), lse_target.numpy(), q_bits, cache, page_stride, key_base, value_shift,
+                blocks.shape[3], kv_heads, lookup_table.numpy(), indices.numpy(), counts.numpy(), seq_of_row,
+                float(scale), gate_bits, gate is not None)
+        if 0 < key_chunk < longest and chunks_as_tasks(total_q, kv_heads, threads):
+            split_rows_kernel(*args, key_chunk)
+        else:
+            per_task = heads_per_task(total_q, kv_heads, group, threads)
+            rows = rows_per_task(total_q, most_rows, group, per_task, threads)
+            sparse_attention_kernel(*args, per_task, rows, groups_per_task(total_q, kv_heads, rows, threads), key_chunk)
     if target is not out:
         out.copy_(target)
     if lse_target is not lse:

@@ -17,7 +17,14 @@ from ._sparse_attend import sparse_attention
 
 __all__ = ["mla_sparse_attention_paged"]
 
+KEY_CHUNK = 1024
+"""Keys whose softmax denominators and P.V a row with more than 8 heads sums apart before adding the chunks
+(:func:`._sparse_attend.sparse_attention`): a decode step of one sequence then runs its chunks on different
+threads, each over all heads and half the rows, instead of each thread reading every row for half the
+heads."""
+
 
 def mla_sparse_attention_paged(out, lse, q, blocks, lookup_table, indices, counts, input_row_offsets, layer, scale):
     """Same contract as :func:`sparsekv.kernels.reference.mla.mla_sparse_attention_paged`."""
-    sparse_attention(out, lse, q, blocks, lookup_table, indices, counts, input_row_offsets, layer, scale, None, None)
+    sparse_attention(out, lse, q, blocks, lookup_table, indices, counts, input_row_offsets, layer, scale, None, None,
+                     KEY_CHUNK)
