@@ -147,10 +147,11 @@ def attend_positions(q_t, positions, table_row, cache, page_stride, key_base, va
     return acc, row_max, denom
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, error_model="numpy")
 def write_heads(out, lse, acc, row_max, denom, r, h0, lane0, heads, gate, has_gate):
     """Row ``r``'s heads ``h0 ..`` from lanes ``lane0 ..`` of the tile: ``lse`` and ``acc / denom`` (times
-    ``sigmoid(gate[r, h])`` in float32 when ``has_gate``)."""
+    ``sigmoid(gate[r, h])`` in float32 when ``has_gate``). numpy's error model: without a zero-division check
+    per element the division vectorises (64 heads x 512 channels, bf16: 34 -> 5 us)."""
     v_dim = out.shape[2]
     for h in range(heads):
         lane = lane0 + h
