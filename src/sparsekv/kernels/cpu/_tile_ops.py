@@ -52,8 +52,8 @@ tile's 8: bf16 keys from memory 0.70-0.81 -> 0.76-0.85 (32768 blocks, 34 MB) and
 (8192 blocks after a 96 MB write), in the L3 0.81-0.85 -> 0.82-0.84; fp32 from -3% to +5% (16 rows
 alike)."""
 VALUE_ROWS = 64
-"""Value rows attention gathers at a time where it prefetches the next ones during P.V
-(:func:`new_value_scratch`'s rows: 2 * VALUE_ROWS): 64 measured 3-4% faster than 128 there."""
+"""Value rows attention gathers at a time, prefetching the next ones during P.V (:func:`new_value_scratch`'s
+rows): 64 measured 3-4% faster than 128."""
 
 
 @numba.njit(cache=True, nogil=True)
@@ -279,7 +279,7 @@ def dots_of_gathered_rows(dots, q_t, flat, row_starts, n, dim, lanes, scratch):
 
 
 def new_value_scratch(values, dim, channels):
-    """Scratch for ``2 * VALUE_ROWS`` value rows of ``channels >= dim`` in :func:`weighted_rows`' layout for
+    """Scratch for ``VALUE_ROWS`` value rows of ``channels >= dim`` in :func:`weighted_rows`' layout for
     values like ``values`` (numba only): bf16 bits (``uint16``) stay bits, other floats float32. Only the
     padding channels ``dim ..`` are zeroed (the rows are written before they are read)."""
     raise NotImplementedError
@@ -290,7 +290,7 @@ def _new_value_scratch_overload(values, dim, channels):
     dtype = np.uint16 if values.dtype == types.uint16 else np.float32
 
     def value_scratch(values, dim, channels):
-        scratch = np.empty((2 * VALUE_ROWS, channels), dtype)
+        scratch = np.empty((VALUE_ROWS, channels), dtype)
         scratch[:, dim:] = 0
         return scratch
     return value_scratch
