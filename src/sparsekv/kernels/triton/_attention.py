@@ -69,18 +69,17 @@ def num_splits(total_q: int, kv_heads: int, width: int, block_n: int, device: to
     return max(1, min(triton.cdiv(wanted, programs), triton.cdiv(width, 2 * block_n), _MAX_SPLITS))
 
 
-def _attention_launch(total_q: int, kv_heads: int, width: int, head_dim: int, is_fp32: bool,
+def _attention_launch(total_q: int, kv_heads: int, width: int, block_d: int, is_fp32: bool,
                       device: torch.device) -> dict:
     """Launch parameters of :func:`_attention_kernel` for ``total_q`` rows x ``kv_heads`` KV heads over index
-    rows of ``width`` entries of ``head_dim`` channels: ``BN`` entries per iteration, ``splits`` spans per
-    index row (1: no merge), and the warps and software-pipeline stages.
+    rows of ``width`` entries whose channels fill a ``block_d``-wide tile: ``BN`` entries per iteration,
+    ``splits`` spans per index row (1: no merge), and the warps and software-pipeline stages.
 
     bf16/fp16 launches of a few programs per SM at most (decode) take 64 entries an iteration (up to ``D =
     256``) on 8 warps in 2 stages: an H200 sweep of 200 launches (2048 entries a row, D=256) measured that
     1.08x the 32 entries on 4 warps in 3 stages at B=64 x 32k (no split) and 1.74x at B=4 x 128k (12 splits;
     1 and 16 alike). Larger launches (prefill) keep the latter, which ran a B=4 x 2048-row prefill 1.08-1.13x
     faster. The fp32 launch was not swept."""
-    block_d = max(next_pow2(head_dim), 16)
     if is_fp32:
         block_n, warps, stages = 16, 4, 3
     elif total_q * kv_heads <= _DECODE_PROGRAMS_PER_SM * _sm_count(device):
@@ -303,7 +302,7 @@ def qsa_sparse_attention_paged(
     block_d = max(next_pow2(head_dim), 16)
     is_fp32 = q.dtype == torch.float32 or q.dtype != blocks.dtype
     block_g = max(next_pow2(group), 16)
-    launch = _attention_launch(total_q, kv_heads, width, head_dim, is_fp32, q.device)
+    launch = _attention_launch(total_q, kv_heads, width, block_d, is_fp32, q.device)
     block_n, splits = launch["BN"], launch["splits"]
     span = triton.cdiv(triton.cdiv(max(width, 1), splits), block_n) * block_n
     if splits > 1:

@@ -38,13 +38,13 @@ __all__ = ["mla_sparse_attention_paged"]
 HEADS_PER_PROGRAM = 16
 
 
-def _mla_launch(total_q: int, q_heads: int, width: int, v_dim: int, is_fp32: bool, device: torch.device) -> dict:
+def _mla_launch(total_q: int, q_heads: int, width: int, block_v: int, is_fp32: bool, device: torch.device) -> dict:
     """Launch parameters of :func:`_mla_attention_kernel` for ``total_q`` rows of ``q_heads`` heads over index
-    rows of ``width`` entries with ``v_dim`` value channels: ``BH`` heads and ``BN`` entries per program and
-    iteration, ``splits`` spans per index row (1: no merge), its warps and software-pipeline stages. For
-    bf16/fp16, 32 heads (16 where there are no more) x 64 entries in 2 stages (an H200 sweep of 233 launches,
-    128 heads, 2048 entries a row: 1.95x the 16 heads x 32 entries in 3 stages at B=64 x 32k, 1.48x at B=4 x
-    128k with 8 splits). The fp32 launch was not swept."""
+    rows of ``width`` entries whose value channels fill a ``block_v``-wide tile: ``BH`` heads and ``BN`` entries
+    per program and iteration, ``splits`` spans per index row (1: no merge), its warps and software-pipeline
+    stages. For bf16/fp16, 32 heads (16 where there are no more) x 64 entries in 2 stages (an H200 sweep of
+    233 launches, 128 heads, 2048 entries a row: 1.95x the 16 heads x 32 entries in 3 stages at B=64 x 32k,
+    1.48x at B=4 x 128k with 8 splits). The fp32 launch was not swept."""
     if is_fp32:
         block_h, block_n, stages = HEADS_PER_PROGRAM, 16, 3
     else:
@@ -52,7 +52,7 @@ def _mla_launch(total_q: int, q_heads: int, width: int, v_dim: int, is_fp32: boo
         block_n, stages = 64, 2
     head_blocks = triton.cdiv(q_heads, block_h)
     return {"BH": block_h, "BN": block_n, "splits": num_splits(total_q, head_blocks, width, block_n, device),
-            "num_warps": 4 if max(next_pow2(v_dim), 16) <= 128 else 8, "num_stages": stages}
+            "num_warps": 4 if block_v <= 128 else 8, "num_stages": stages}
 
 
 @triton.jit
@@ -153,7 +153,7 @@ def mla_sparse_attention_paged(
     block_v = max(next_pow2(v_dim), 16)
     block_rest = max(next_pow2(head_dim - v_dim), 16)
     is_fp32 = q.dtype == torch.float32
-    launch = _mla_launch(total_q, q_heads, width, v_dim, is_fp32, q.device)
+    launch = _mla_launch(total_q, q_heads, width, block_v, is_fp32, q.device)
     block_n, splits = launch["BN"], launch["splits"]
     head_blocks = triton.cdiv(q_heads, launch["BH"])
     span = triton.cdiv(triton.cdiv(max(width, 1), splits), block_n) * block_n
