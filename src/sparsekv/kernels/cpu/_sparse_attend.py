@@ -328,11 +328,12 @@ def sparse_attention_kernel(out, lse, q, cache, page_stride, key_base, value_shi
 
 @numba.njit(**PARALLEL_JIT)
 def split_rows_kernel(out, lse, q, cache, page_stride, key_base, value_shift, page_size, kv_heads, table, indices,
-                      counts, seq_of_row, scale, gate, has_gate, key_chunk):
+                      counts, seq_of_row, scale, gate, has_gate, key_chunk, longest):
     """:func:`sparse_attention_kernel` with ``heads_per_task`` the whole group and ``rows_per_task == 1``, for
-    a few rows with more keys than ``key_chunk``: each (row, KV head)'s keys run as chunks of ``key_chunk`` in
-    tasks of their own, so that every thread gets work without splitting the heads (the tile keeps all of a
-    KV head's query heads as lanes, and each thread reads only its chunk's rows). Three passes: Q.K of each
+    a few rows, the longest counting ``longest >= 1`` entries (:func:`._pages.plan_counted_rows`), with more
+    keys than ``key_chunk``: each (row, KV head)'s keys run as chunks of ``key_chunk`` in tasks of their own,
+    so that every thread gets work without splitting the heads (the tile keeps all of a KV head's query heads
+    as lanes, and each thread reads only its chunk's rows). Three passes: Q.K of each
     chunk with the chunk's largest logit; weights against the row's largest and the chunk's P.V; the chunks'
     sums added in order. The bits are :func:`attend_positions`' with the same ``key_chunk``."""
     total_q, q_heads, dim = q.shape
@@ -341,10 +342,7 @@ def split_rows_kernel(out, lse, q, cache, page_stride, key_base, value_shift, pa
     v_dim = out.shape[2]
     padded_v = (v_dim + WEIGHTED_CHANNELS - 1) // WEIGHTED_CHANNELS * WEIGHTED_CHANNELS
     width = indices.shape[1]
-    most = 1
-    for r in range(total_q):
-        most = max(most, min(counts[r], width))
-    chunks = (most + key_chunk - 1) // key_chunk
+    chunks = (longest + key_chunk - 1) // key_chunk
     units = total_q * kv_heads
     logits = np.empty((units, chunks, key_chunk + KEYS_PER_TILE, lanes), np.float32)
     starts = np.empty((units, chunks, key_chunk + 2 * KEYS_PER_TILE), np.int64)
@@ -475,7 +473,7 @@ def sparse_attention(out, lse, q, blocks, lookup_table, indices, counts, input_r
                 blocks.shape[3], kv_heads, lookup_table.numpy(), indices.numpy(), counts.numpy(), seq_of_row,
                 float(scale), gate_bits, gate is not None)
         if 0 < key_chunk < longest and chunks_as_tasks(total_q, kv_heads, threads):
-            split_rows_kernel(*args, key_chunk)
+            split_rows_kernel(*args, key_chunk, longest)
         else:
             per_task = heads_per_task(total_q, kv_heads, group, threads)
             rows = rows_per_task(total_q, most_rows, group, per_task, threads)
