@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from sparsekv.kernels.cpu import _tile_ir
-from sparsekv.kernels.cpu._bits import array_at, as_numba, numba_dtype
+from sparsekv._address import array_at
+from sparsekv.kernels.cpu._bits import as_numba, numba_dtype
 from sparsekv.kernels.cpu._score_tasks import keys_seen, relu_sums, task_in_order, write_group_scores
 from sparsekv.kernels.cpu._tile_ir import (KEYS_PER_TILE, SQUARE_SUM_ROWS, VECTOR, WEIGHTED_CHANNELS, WEIGHTED_HEADS,
                                           _check_llvmlite_for_bfloat, _target_has_bf16_dot)

@@ -11,7 +11,7 @@ Layers, top to bottom (an import may stay in its layer or go down, never up)::
     ops       public ops, backend registry, the k-pool indexer step
     kernels   reference / cpu / triton backends
     cache     storage: layout, address math, page pool, manager
-    leaf      _checks, numerics, _env (import nothing of sparsekv above them)
+    leaf      _checks, numerics, _env, _address (import nothing of sparsekv above them)
 
 The package root ``sparsekv/__init__.py`` re-exports the public API from every
 layer, so it sits above them all: importing it from inside the package is an
@@ -54,6 +54,7 @@ LAYERS = {
     "sparsekv._checks": 0,
     "sparsekv.numerics": 0,
     "sparsekv._env": 0,
+    "sparsekv._address": 0,
 }
 
 def module_names(root: Path, package: str) -> dict[str, Path]:

@@ -232,37 +232,6 @@ def as_numba(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
-@intrinsic
-def _pointer_to(typingctx, address, like):
-    """``address`` (an integer) as a pointer to elements like ``like``'s: an array, a numpy dtype, or a number
-    class such as ``np.float32`` (numba only)."""
-    if isinstance(like, (types.Array, types.DType)):
-        element = like.dtype
-    elif isinstance(like, types.NumberClass):
-        element = like.instance_type
-    else:
-        return None
-    if not isinstance(address, types.Integer):
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.inttoptr(args[0], context.get_value_type(sig.return_type))
-
-    return types.CPointer(element)(address, like), codegen
-
-
-@numba.njit(cache=True, nogil=True, inline="always")
-def array_at(address, shape, like):
-    """The C-contiguous array of ``shape`` (a tuple) at ``address``, elements like ``like``'s (an array, a numpy
-    dtype such as :func:`numba_dtype`'s, or a number class such as ``np.float32``), numba only: a kernel takes
-    a tensor as ``t.data_ptr()`` and its shape instead of a numpy view (:func:`as_numba`), whose making
-    (``Tensor.numpy()``, and ``Tensor.view`` for 16-bit floats) measured 4-5% of a 0.3 ms decode score call,
-    its code cold after a kernel. The caller passes a C-contiguous tensor's own shape, kept alive for the
-    call, with elements of the type ``like`` names (bf16 as ``uint16`` bits, fp16 as ``int16``, as
-    :func:`as_numba`)."""
-    return numba.carray(_pointer_to(address, like), shape)
-
-
 _NUMBA_DTYPES = {torch.bfloat16: np.dtype(np.uint16), torch.float16: np.dtype(np.int16)}
 
 

@@ -31,7 +31,8 @@ import numpy as np
 import torch
 from numba.extending import overload
 
-from ._bits import array_at, as_numba
+from ..._address import array_at
+from ._bits import as_numba
 from ._pages import first_missing_page
 from ._paged_rows import flat_plane
 from ._parallel import next_task, threads_for
@@ -160,7 +161,8 @@ def _paged_score_kernel(scores, q, head_weights, cache, page_stride, base, per_p
 
 
 def _weights_at(address, rows, heads):
-    """``None`` for ``address`` ``None``, else :func:`._bits.array_at` float32 ``[rows, heads]`` (numba only)."""
+    """``None`` for ``address`` ``None``, else :func:`sparsekv._address.array_at` float32 ``[rows, heads]``
+    (numba only)."""
     raise NotImplementedError
 
 
@@ -174,9 +176,9 @@ def _weights_at_overload(address, rows, heads):
 @numba.njit(cache=True, nogil=True)
 def _paged_scores_at(scores_at, q_at, weights_at, total_q, heads, dim, out_cols, cache, page_stride, base, per_page,
                      num_pages, table, visible, seq_keys, offsets, divisor, pages_ahead, threads):
-    """:func:`_paged_score_kernel` over tensors given by address (:func:`._bits.array_at`; each C-contiguous):
-    ``scores_at`` float32 ``[total_q, out_cols]``, ``q_at`` ``[total_q, heads, dim]`` of ``cache``'s element
-    type, ``weights_at`` float32 ``[total_q, heads]`` or ``None``."""
+    """:func:`_paged_score_kernel` over tensors given by address (:func:`sparsekv._address.array_at`; each
+    C-contiguous): ``scores_at`` float32 ``[total_q, out_cols]``, ``q_at`` ``[total_q, heads, dim]`` of
+    ``cache``'s element type, ``weights_at`` float32 ``[total_q, heads]`` or ``None``."""
     return _paged_score_kernel(array_at(scores_at, (total_q, out_cols), np.float32),
                                array_at(q_at, (total_q, heads, dim), cache),
                                _weights_at(weights_at, total_q, heads), cache, page_stride, base, per_page, num_pages,

@@ -74,7 +74,8 @@ from numba import prange
 
 from ..._checks import check_freqs_cis_rows
 from ...cache.layout import page_error
-from ._bits import array_at, as_numba, copy_row, narrow, numba_dtype, widen
+from ..._address import array_at
+from ._bits import as_numba, copy_row, narrow, numba_dtype, widen
 from ._score_tasks import plan_score_tasks, row_group, score_task, write_group_scores
 from ._tile_ir import KEYS_PER_TILE, SQUARE_SUM_ROWS
 from ._tile_ops import KEYS_AHEAD, KEYS_PER_TASK, dots_of_rows, new_scratch, square_sums_in_order
@@ -415,9 +416,10 @@ def _block_score_kernel(scores, q, keys, offsets, positions, ratio, max_blocks, 
 @numba.njit(cache=True, nogil=True)
 def _block_scores_at(scores_at, q_at, keys_at, offsets_at, positions_at, total_q, heads, dim, out_cols, key_rows,
                      batch, element, ratio, max_blocks, scale, threads):
-    """:func:`_block_score_kernel` over tensors given by address (:func:`._bits.array_at`; each C-contiguous):
-    float32 ``scores [total_q, out_cols]``, ``q [total_q, heads, dim]`` and ``keys [key_rows, dim]`` of
-    ``element`` (:func:`._bits.numba_dtype`), int32 ``offsets [batch + 1]`` and ``positions [total_q]``."""
+    """:func:`_block_score_kernel` over tensors given by address (:func:`sparsekv._address.array_at`; each
+    C-contiguous): float32 ``scores [total_q, out_cols]``, ``q [total_q, heads, dim]`` and ``keys [key_rows,
+    dim]`` of ``element`` (:func:`._bits.numba_dtype`), int32 ``offsets [batch + 1]`` and ``positions
+    [total_q]``."""
     _block_score_kernel(array_at(scores_at, (total_q, out_cols), np.float32),
                         array_at(q_at, (total_q, heads, dim), element),
                         array_at(keys_at, (key_rows, dim), element),
