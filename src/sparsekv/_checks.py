@@ -15,6 +15,7 @@ import numba
 import numpy as np
 import torch
 
+from ._address import array_at
 from ._env import host_checks
 
 _INT32_MIN, _INT32_END = -(2**31), 2**31
@@ -177,20 +178,33 @@ def host_array(t: torch.Tensor) -> np.ndarray:
     return t.numpy() if t.is_cpu else t.cpu().numpy()
 
 
+def host_int32(t: torch.Tensor) -> torch.Tensor:
+    """An int32 tensor's values as a C-contiguous CPU tensor for the numba value checks, which take its
+    address (:func:`sparsekv._address.array_at`): ``t`` itself when it is one, else a contiguous or host
+    copy (a sync for device tensors). Keep it alive while they read it."""
+    return (t if t.is_cpu else t.cpu()).contiguous()
+
+
 @numba.njit(cache=True, nogil=True)
-def _first_decrease(values):
-    """Index of the first entry below the one before it, or -1 (a numba loop: ~0.1 us a call, where
-    numpy's comparison and reduction on a decode batch's few entries took ~1.2 us)."""
-    for i in range(1, values.shape[0]):
+def _offsets_fault(address, n, total):
+    """What is wrong with the ``n >= 1`` int32 offsets at ``address``: 0 nothing, 1 the first is not 0, 2 one
+    is below the one before it, 3 the last is not ``total`` (``total < 0``: not checked)."""
+    values = array_at(address, (n,), np.int32)
+    if values[0] != 0:
+        return 1
+    for i in range(1, n):
         if values[i] < values[i - 1]:
-            return i
-    return -1
+            return 2
+    if total >= 0 and values[n - 1] != total:
+        return 3
+    return 0
 
 
 @numba.njit(cache=True, nogil=True)
-def _first_negative(values):
-    """Index of the first negative entry, or -1."""
-    for i in range(values.shape[0]):
+def _first_negative(address, n):
+    """Index of the first negative of the ``n`` int32 values at ``address``, or -1."""
+    values = array_at(address, (n,), np.int32)
+    for i in range(n):
         if values[i] < 0:
             return i
     return -1
@@ -237,12 +251,13 @@ def check_offsets(name: str, offsets: torch.Tensor, *, batch: int | None = None,
         raise ValueError(f"{name}: expected at least one entry, got an empty tensor")
     if not host_checks(offsets.device):
         return offsets
-    values = host_array(offsets)
-    if int(values[0]) != 0:
+    values = host_int32(offsets)
+    fault = _offsets_fault(values.data_ptr(), values.shape[0], -1 if total is None else total)
+    if fault == 1:
         raise ValueError(f"{name}: expected offsets[0] == 0, got {int(values[0])}")
-    if _first_decrease(values) >= 0:
-        raise ValueError(f"{name}: expected non-decreasing offsets, got {offsets.tolist()}")
-    if total is not None and int(values[-1]) != total:
+    if fault == 2:
+        raise ValueError(f"{name}: expected non-decreasing offsets, got {values.tolist()}")
+    if fault == 3:
         raise ValueError(f"{name}: expected the last offset to equal the {total} {total_of}, got {int(values[-1])}")
     return offsets
 
@@ -257,8 +272,8 @@ def check_nonnegative(name: str, lengths: torch.Tensor, *, batch: int | None = N
     if batch is not None and lengths.shape[0] != batch:
         raise ValueError(f"{name}: expected shape ({batch},) = batch, got {tuple(lengths.shape)}")
     if host_checks(lengths.device) and lengths.numel():
-        values = host_array(lengths)
-        bad = _first_negative(values)
+        values = host_int32(lengths)
+        bad = _first_negative(values.data_ptr(), values.shape[0])
         if bad >= 0:
             raise ValueError(f"{name}: expected values >= 0, got {int(values[bad])} at index {bad}")
     return lengths
