@@ -26,15 +26,24 @@ def flat_plane(blocks: torch.Tensor, plane: int, layer: int) -> tuple[np.ndarray
     megabytes of keys runs with its code out of the caches (``as_strided``
     then cost 20-50 us, against 1 us back to back).
     """
-    pages, kv, _, page_size, heads, dim = blocks.shape
-    one_plane = plane_span(blocks)
     cache = as_numba(blocks)
     if blocks.is_contiguous():
         flat = cache.reshape(-1)
     else:
-        flat = np.lib.stride_tricks.as_strided(cache, ((pages - 1) * blocks.stride(0) + kv * one_plane,),
-                                               (cache.itemsize,))
-    return flat, blocks.stride(0), plane * one_plane + layer * page_size * heads * dim
+        flat = np.lib.stride_tricks.as_strided(cache, (flat_span(blocks),), (cache.itemsize,))
+    return flat, blocks.stride(0), plane_base(blocks, plane, layer)
+
+
+def flat_span(blocks: torch.Tensor) -> int:
+    """Elements from the first of ``blocks`` to past its last (pages may lie apart): :func:`flat_plane`'s
+    length, and that of the array a kernel makes at ``blocks.data_ptr()``."""
+    return (blocks.shape[0] - 1) * blocks.stride(0) + blocks.shape[1] * plane_span(blocks)
+
+
+def plane_base(blocks: torch.Tensor, plane: int, layer: int) -> int:
+    """Where (plane, layer) starts in a page of ``blocks``, in elements (:func:`flat_plane`'s ``base``)."""
+    _, _, _, page_size, heads, dim = blocks.shape
+    return plane * plane_span(blocks) + layer * page_size * heads * dim
 
 
 def plane_span(blocks: torch.Tensor) -> int:

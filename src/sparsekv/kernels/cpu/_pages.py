@@ -5,6 +5,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from ..._address import array_at
 from ..reference.qsa import counted_entry_error
 
 
@@ -64,14 +65,28 @@ def _scan_counted_entries(table, num_pages, page_size, indices, counts, offsets)
     return seq_of_row, -1, -1, counted, most_rows, longest
 
 
+@numba.njit(cache=True, nogil=True)
+def _scan_counted_entries_at(table_at, batch, max_pages, num_pages, page_size, indices_at, total_q, width, counts_at,
+                             offsets_at):
+    """:func:`_scan_counted_entries` over int32 tensors given by address (:func:`sparsekv._address.array_at`;
+    each C-contiguous): ``table [batch, max_pages]``, ``indices [total_q, width]``, ``counts [total_q]``,
+    ``offsets [batch + 1]``."""
+    return _scan_counted_entries(array_at(table_at, (batch, max_pages), np.int32), num_pages, page_size,
+                                 array_at(indices_at, (total_q, width), np.int32),
+                                 array_at(counts_at, (total_q,), np.int32),
+                                 array_at(offsets_at, (batch + 1,), np.int32))
+
+
 def plan_counted_rows(lookup_table, num_pages, page_size, indices, counts, input_row_offsets):
     """``(seq_of_row, counted, most_rows, longest)`` of :func:`_scan_counted_entries`, after checking every counted
     entry in the same pass: the first (row by row) that is negative or has no valid page raises the
-    reference's :func:`counted_entry_error`. All int32 CPU tensors: ``lookup_table [B, max_pages]``,
-    ``indices [total_q, W]``, ``counts [total_q]``, ``input_row_offsets [B+1]``.
+    reference's :func:`counted_entry_error`. All int32 C-contiguous CPU tensors: ``lookup_table [B,
+    max_pages]``, ``indices [total_q, W]``, ``counts [total_q]``, ``input_row_offsets [B+1]`` (read by
+    address: no numpy views to make, whose code is cold after a kernel).
     """
-    seq_of_row, r, i, counted, most_rows, longest = _scan_counted_entries(
-        lookup_table.numpy(), num_pages, page_size, indices.numpy(), counts.numpy(), input_row_offsets.numpy())
+    seq_of_row, r, i, counted, most_rows, longest = _scan_counted_entries_at(
+        lookup_table.data_ptr(), lookup_table.shape[0], lookup_table.shape[1], num_pages, page_size,
+        indices.data_ptr(), indices.shape[0], indices.shape[1], counts.data_ptr(), input_row_offsets.data_ptr())
     if r >= 0:
         raise counted_entry_error(lookup_table, num_pages, page_size, indices, counts, r, i, int(seq_of_row[r]))
     return seq_of_row, counted, most_rows, longest

@@ -59,10 +59,11 @@ import numpy as np
 import torch
 from numba import prange
 
-from ._bits import as_numba, narrow, widen
+from ..._address import array_at
+from ._bits import narrow, numba_dtype, widen
 from ._math import exp_weights, scale_logits, scaled_softmax_in_place, scaled_softmax_of_members
 from ._pages import plan_counted_rows
-from ._paged_rows import flat_plane, plane_span, query_tile_of_heads, token_starts, zero_heads
+from ._paged_rows import flat_span, plane_base, plane_span, query_tile_of_heads, token_starts, zero_heads
 from ._parallel import PARALLEL_JIT, balanced_order, threads_for
 from ._tile_ir import KEYS_PER_TILE, VECTOR, WEIGHTED_CHANNELS
 from ._tile_ops import (VALUE_ROWS, dots_of_gathered_rows, gather_rows, new_query_tiles, new_scratch,
@@ -448,37 +449,67 @@ def sparse_attention(out, lse, q, blocks, lookup_table, indices, counts, input_r
     time (:func:`attend_positions`); when there are fewer (row, KV head) pairs than threads, the chunks
     are the tasks (:func:`split_rows_kernel`). The bits depend on ``key_chunk``, never on the threads.
 
-    Everything before the kernel is one pass over the rows and a few views: the kernel before it (a decode
-    step's, or the previous layer's) has evicted this code from the caches, where each numba or torch call
-    measured 20-50 us (the row scan, page check and work count as four calls 73 us, as one pass 23 us; the
-    whole op up to its kernel 99-124 -> 83-97 us at B=4, 2048 selected tokens).
+    Everything before the kernel is one pass over the rows, and the kernel takes every tensor by address
+    (:func:`_attend_at`): the kernel before it (a decode step's, or the previous layer's) has evicted this
+    code from the caches, where each numba or torch call measured 20-50 us (the row scan, page check and work
+    count as four calls 73 us, as one pass 23 us; the whole op up to its kernel 99-124 -> 83-97 us at B=4,
+    2048 selected tokens) and a numpy view of a tensor (``Tensor.numpy()``) up to 57 us.
     """
     total_q, q_heads, dim = q.shape
     if total_q == 0 or q_heads == 0:
         return
+    if out.dtype != q.dtype or blocks.dtype != q.dtype or (gate is not None and gate.dtype != q.dtype):
+        raise TypeError(f"sparse_attention: expected q, out, gate and the cache of one dtype, got {q.dtype}, "
+                        f"{out.dtype}, {None if gate is None else gate.dtype}, {blocks.dtype}")
     kv_heads = blocks.shape[4]
-    seq_of_row, counted, most_rows, longest = plan_counted_rows(lookup_table, blocks.shape[0], blocks.shape[3], indices,
-                                                                counts, input_row_offsets)
+    table, indices, counts = lookup_table.contiguous(), indices.contiguous(), counts.contiguous()
+    seq_of_row, counted, most_rows, longest = plan_counted_rows(table, blocks.shape[0], blocks.shape[3], indices,
+                                                                counts, input_row_offsets.contiguous())
     target = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
     lse_target = lse if lse.is_contiguous() else torch.empty_like(lse, memory_format=torch.contiguous_format)
-    q_bits = as_numba(q.contiguous())
-    gate_bits = as_numba(gate.contiguous()) if gate is not None else q_bits[:0]  # unread without a gate
-    cache, page_stride, key_base = flat_plane(blocks, 0, layer)
+    q = q.contiguous()
+    gate_rows = q if gate is None else gate.contiguous()  # unread without a gate (no rows of it are made)
     value_shift = 0 if value_plane is None else value_plane * plane_span(blocks)
     group = q_heads // kv_heads
     key_chunk = key_chunk if group > VECTOR // 2 else 0
     # the split follows the threads the block gets (one while the cores are taken)
     with threads_for(counted * q_heads * (dim + out.shape[2])) as threads:
-        args = (as_numba(target), lse_target.numpy(), q_bits, cache, page_stride, key_base, value_shift,
-                blocks.shape[3], kv_heads, lookup_table.numpy(), indices.numpy(), counts.numpy(), seq_of_row,
-                float(scale), gate_bits, gate is not None)
-        if 0 < key_chunk < longest and chunks_as_tasks(total_q, kv_heads, threads):
-            split_rows_kernel(*args, key_chunk, longest)
-        else:
-            per_task = heads_per_task(total_q, kv_heads, group, threads)
-            rows = rows_per_task(total_q, most_rows, group, per_task, threads)
-            sparse_attention_kernel(*args, per_task, rows, groups_per_task(total_q, kv_heads, rows, threads), key_chunk)
+        split = 0 < key_chunk < longest and chunks_as_tasks(total_q, kv_heads, threads)
+        per_task = heads_per_task(total_q, kv_heads, group, threads)
+        rows = rows_per_task(total_q, most_rows, group, per_task, threads)
+        _attend_at(target.data_ptr(), lse_target.data_ptr(), q.data_ptr(), gate_rows.data_ptr(), gate is not None,
+                   total_q, q_heads, dim, out.shape[2], numba_dtype(q.dtype), blocks.data_ptr(), flat_span(blocks),
+                   blocks.stride(0), plane_base(blocks, 0, layer), value_shift, blocks.shape[3], kv_heads,
+                   table.data_ptr(), table.shape[0], table.shape[1], indices.data_ptr(), indices.shape[1],
+                   counts.data_ptr(), seq_of_row, float(scale), split, key_chunk, longest, per_task, rows,
+                   groups_per_task(total_q, kv_heads, rows, threads))
     if target is not out:
         out.copy_(target)
     if lse_target is not lse:
         lse.copy_(lse_target)
+
+
+@numba.njit(cache=True, nogil=True)
+def _attend_at(out_at, lse_at, q_at, gate_at, has_gate, total_q, q_heads, dim, v_dim, element, cache_at, span,
+               page_stride, key_base, value_shift, page_size, kv_heads, table_at, batch, max_pages, indices_at, width,
+               counts_at, seq_of_row, scale, split, key_chunk, longest, per_task, rows, groups):
+    """:func:`split_rows_kernel` (``split``) or :func:`sparse_attention_kernel` over tensors given by address
+    (:func:`sparsekv._address.array_at`; each C-contiguous): ``out [total_q, q_heads, v_dim]``, ``q`` and
+    ``gate`` ``[total_q, q_heads, dim]`` and the flat cache (``span`` elements from ``cache_at``,
+    :func:`._paged_rows.flat_span`) of ``element`` (:func:`._bits.numba_dtype`), float32 ``lse [total_q,
+    q_heads]``, int32 ``table [batch, max_pages]``, ``indices [total_q, width]`` and ``counts [total_q]``.
+    ``gate_at`` is not read without ``has_gate``."""
+    out = array_at(out_at, (total_q, q_heads, v_dim), element)
+    lse = array_at(lse_at, (total_q, q_heads), np.float32)
+    q = array_at(q_at, (total_q, q_heads, dim), element)
+    gate = array_at(gate_at, (total_q if has_gate else 0, q_heads, dim), element)
+    cache = array_at(cache_at, (span,), element)
+    table = array_at(table_at, (batch, max_pages), np.int32)
+    indices = array_at(indices_at, (total_q, width), np.int32)
+    counts = array_at(counts_at, (total_q,), np.int32)
+    if split:
+        split_rows_kernel(out, lse, q, cache, page_stride, key_base, value_shift, page_size, kv_heads, table, indices,
+                          counts, seq_of_row, scale, gate, has_gate, key_chunk, longest)
+    else:
+        sparse_attention_kernel(out, lse, q, cache, page_stride, key_base, value_shift, page_size, kv_heads, table,
+                                indices, counts, seq_of_row, scale, gate, has_gate, per_task, rows, groups, key_chunk)
