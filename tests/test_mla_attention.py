@@ -13,6 +13,7 @@ from test_qsa_cases import DTYPES, assert_spec_close, build_paged_cache, make_co
 from test_qsa_cases import check_rows_sharing_a_tile
 
 from sparsekv import mla_sparse_attention_paged
+from sparsekv.cache.layout import PagedKVCacheCollection
 from sparsekv.kernels.cpu import _sparse_attend as cpu_attend
 from sparsekv.kernels.cpu import mla as cpu_mla
 from sparsekv.kernels.cpu._parallel import numba_threads
@@ -294,6 +295,21 @@ def test_no_query_rows(backend, monkeypatch):
                                           torch.zeros(0, dtype=torch.int32), torch.tensor([0, 0, 0]), scale=1.0,
                                           v_head_dim=10, return_lse=True)
     assert out.shape == (0, 3, 10) and lse.shape == (0, 3)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("page_gap", [0, 5])
+def test_cache_without_pages_and_nothing_counted(backend, page_gap, monkeypatch):
+    """A cache of no pages (packed, or a view whose page stride leaves gaps) and rows that count nothing: zero
+    rows and ``-inf`` log-sum-exps, nothing read."""
+    monkeypatch.setenv("SPARSEKV_BACKEND", backend)
+    blocks = torch.zeros(64).as_strided((0, 1, 1, 4, 1, 8), (32 + page_gap, 32, 32, 8, 8, 1))
+    coll = PagedKVCacheCollection(blocks, torch.tensor([0], dtype=torch.int32), torch.full((1, 2), -1, dtype=torch.int32),
+                                  max_seq_length=1, max_cache_length=0, page_stride=32 + page_gap if page_gap else -1)
+    out, lse = mla_sparse_attention_paged(torch.randn(1, 16, 8), coll, 0, torch.zeros(1, 3, dtype=torch.int32),
+                                          torch.zeros(1, dtype=torch.int32), torch.tensor([0, 1]), scale=0.5,
+                                          v_head_dim=4, return_lse=True)
+    assert torch.equal(out, torch.zeros(1, 16, 4)) and bool((lse == float("-inf")).all())
 
 
 # ---- out=, strides, errors --------------------------------------------------------

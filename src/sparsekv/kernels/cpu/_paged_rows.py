@@ -36,7 +36,9 @@ def flat_plane(blocks: torch.Tensor, plane: int, layer: int) -> tuple[np.ndarray
 
 def flat_span(blocks: torch.Tensor) -> int:
     """Elements from the first of ``blocks`` to past its last (pages may lie apart): :func:`flat_plane`'s
-    length, and that of the array a kernel makes at ``blocks.data_ptr()``."""
+    length, and that of the array a kernel makes at ``blocks.data_ptr()`` (none without pages)."""
+    if blocks.shape[0] == 0:
+        return 0
     return (blocks.shape[0] - 1) * blocks.stride(0) + blocks.shape[1] * plane_span(blocks)
 
 
