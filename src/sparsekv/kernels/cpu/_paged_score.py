@@ -66,7 +66,7 @@ def prefetch_pages_ahead(per_page: int) -> int:
     of a page asks for the same slots of that later page while it computes, one cache line per channel
     step (:func:`._tile_ops.dots_of_rows`). That measured better than whole pages asked for in a burst as
     each page began (a core keeps a few dozen misses in flight, and the products waited behind the rest),
-    against the kernel alone's same-run peak, two threads (docs/benchmarks.md): keys from memory, 16
+    against the kernel alone's same-run peak, two threads (docs/performance-notes.md): keys from memory, 16
     layers in turn, the QSA block score's 8 KB pages bf16 0.57-0.60 -> 0.69-0.72 of the peak, fp32
     0.50-0.58 -> 0.69-0.74, 32768 blocks x 8 layers 0.53-0.56 -> 0.62-0.67, the k-pool score's 4 KB pages
     bf16 0.66-0.68 -> 0.75-0.76; keys in the L3 the same within 2% (QSA) or better (k-pool 0.75-0.77 ->

@@ -437,7 +437,7 @@ def claim_tasks(counter, tasks, workers):
     The workers take the tasks as they go instead of a fixed equal share each: on a shared machine one core
     often runs slower than the other for a while (another tenant's work beside it), and an equal split
     then waits for its slower worker (the decode pool score's two workers, bf16, ended 18-84 us apart at
-    the median, 3 with this; the score kernels up to 1.14x faster, docs/benchmarks.md). Long runs first
+    the median, 3 with this; the score kernels up to 1.14x faster, docs/performance-notes.md). Long runs first
     keep each worker's keys in long streams; every task is one worker's, so results do not depend on who
     runs it.
 
