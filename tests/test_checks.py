@@ -4,7 +4,7 @@ values, never as the memory under their first element."""
 import pytest
 import torch
 
-from sparsekv._checks import check_nonnegative, check_offsets
+from sparsekv._checks import check_nonnegative, check_offsets, host_int32
 from sparsekv.ops._attention_checks import check_counted_positions
 
 
@@ -44,3 +44,9 @@ def test_counted_positions_on_a_transposed_index_matrix():
     with pytest.raises(ValueError, match="counts: row 0 counts 4 entries but indices has 3 columns"):
         check_counted_positions(indices, torch.tensor([4, 0], dtype=torch.int32), offsets,
                                 torch.tensor([8], dtype=torch.int32))
+
+
+def test_host_int32_refuses_other_dtypes():
+    """The value checks read the tensor's memory as int32: another dtype would be read as other values."""
+    with pytest.raises(TypeError, match="expected an int32 tensor for a value check, got torch.int64"):
+        host_int32(torch.tensor([0, 1]))

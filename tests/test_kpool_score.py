@@ -447,6 +447,18 @@ def test_score_cpu_kernel_bits_do_not_depend_on_workers_or_prefetch(heads, per_p
     assert_scores_close(outs[0], want)
 
 
+def test_score_plan_refuses_scores_it_does_not_write():
+    """The plan's kernel writes float32 at the scores' address: a float16 tensor raises ``TypeError``, unwritten."""
+    gen = torch.Generator().manual_seed(5)
+    blocks, table = fill_pooled_cache([torch.randn(40, 16, generator=gen)], 4, 8, layer=0, num_layers=1, gen=gen)
+    positions, offsets = torch.tensor([159], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32)
+    plan = cpu.ScorePlan(blocks, table, positions, offsets, 4, 40)
+    scores = torch.full((1, 40), 7.0, dtype=torch.float16)
+    with pytest.raises(TypeError, match="scores: expected float32, got torch.float16"):
+        plan.run(scores, torch.randn(1, 2, 16), torch.ones(1, 2), 0)
+    assert bool((scores == 7.0).all())
+
+
 def test_score_plan_asks_at_least_a_page_and_keys_ahead_further_on():
     """The plan's tiles ask for the page ``ceil(KEYS_AHEAD / per_page)`` pages on, at least the next one."""
     gen = torch.Generator().manual_seed(3)

@@ -304,12 +304,33 @@ def test_cache_without_pages_and_nothing_counted(backend, page_gap, monkeypatch)
     rows and ``-inf`` log-sum-exps, nothing read."""
     monkeypatch.setenv("SPARSEKV_BACKEND", backend)
     blocks = torch.zeros(64).as_strided((0, 1, 1, 4, 1, 8), (32 + page_gap, 32, 32, 8, 8, 1))
-    coll = PagedKVCacheCollection(blocks, torch.tensor([0], dtype=torch.int32), torch.full((1, 2), -1, dtype=torch.int32),
-                                  max_seq_length=1, max_cache_length=0, page_stride=32 + page_gap if page_gap else -1)
+    table = torch.full((1, 2), -1, dtype=torch.int32)
+    coll = PagedKVCacheCollection(blocks, torch.tensor([0], dtype=torch.int32), table, max_seq_length=1,
+                                  max_cache_length=0, page_stride=32 + page_gap if page_gap else -1)
     out, lse = mla_sparse_attention_paged(torch.randn(1, 16, 8), coll, 0, torch.zeros(1, 3, dtype=torch.int32),
                                           torch.zeros(1, dtype=torch.int32), torch.tensor([0, 1]), scale=0.5,
                                           v_head_dim=4, return_lse=True)
     assert torch.equal(out, torch.zeros(1, 16, 4)) and bool((lse == float("-inf")).all())
+
+
+@pytest.mark.parametrize("change", ["int64 indices", "int64 lookup_table", "int64 counts", "int64 offsets",
+                                    "float64 out", "float64 lse"])
+def test_cpu_backend_refuses_other_dtypes(change):
+    """The CPU backend reads every tensor by address, so it takes only the dtypes it reads: anything else raises
+    ``TypeError`` and writes nothing (the public op converts index tensors to int32 first)."""
+    args = dict(q=torch.randn(1, 4, 16), blocks=torch.randn(4, 1, 1, 8, 1, 16),
+                lookup_table=torch.tensor([[0, 1, 2, 3]], dtype=torch.int32),
+                indices=torch.tensor([[0, 5, 9, 20]], dtype=torch.int32), counts=torch.tensor([4], dtype=torch.int32),
+                input_row_offsets=torch.tensor([0, 1], dtype=torch.int32), out=torch.full((1, 4, 8), 7.0),
+                lse=torch.full((1, 4), 7.0))
+    dtype, name = change.split(" ")
+    key = {"offsets": "input_row_offsets"}.get(name, name)
+    args[key] = args[key].to(getattr(torch, dtype))
+    out, lse = args.pop("out"), args.pop("lse")
+    before = out.clone()
+    with pytest.raises(TypeError, match="sparse_attention: expected"):
+        cpu_mla.mla_sparse_attention_paged(out, lse, layer=0, scale=0.25, **args)
+    assert torch.equal(out, before) and bool((lse == 7.0).all())
 
 
 # ---- out=, strides, errors --------------------------------------------------------

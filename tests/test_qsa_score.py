@@ -193,6 +193,19 @@ def test_cpu_without_heads_is_an_empty_sum():
     assert torch.equal(got, want) and bool((want == 0).any())
 
 
+@pytest.mark.parametrize("scores_dtype", [torch.float64, torch.float16])
+def test_cpu_refuses_scores_it_does_not_write(scores_dtype):
+    """The CPU kernel writes float32 at the scores' address: another dtype raises ``TypeError``, nothing written
+    (a float16 buffer is half the bytes the kernel would write)."""
+    scores = torch.full((3, 10), 7.0, dtype=scores_dtype)
+    expected = f"qsa_block_score: expected .* float32 scores, got .*{scores_dtype}"
+    with pytest.raises(TypeError, match=expected):
+        cpu_qsa.qsa_block_score(scores, torch.randn(3, 2, 16), torch.randn(20, 16),
+                                torch.tensor([9, 20, 39], dtype=torch.int32),
+                                torch.tensor([0, 1, 3], dtype=torch.int32), 4, 4.0)
+    assert bool((scores == 7.0).all())
+
+
 def test_cpu_causal_prefill_rows_that_end_before_a_task():
     """A causal prefill over several tasks of keys: the first rows see none of the later tasks' blocks (their
     row groups skip those tasks); every row matches the reference and its own bits alone."""

@@ -181,7 +181,10 @@ def host_array(t: torch.Tensor) -> np.ndarray:
 def host_int32(t: torch.Tensor) -> torch.Tensor:
     """An int32 tensor's values as a C-contiguous CPU tensor for the numba value checks, which take its
     address (:func:`sparsekv._address.array_at`): ``t`` itself when it is one, else a contiguous or host
-    copy (a sync for device tensors). Keep it alive while they read it."""
+    copy (a sync for device tensors). Keep it alive while they read it. Another dtype raises ``TypeError``:
+    its memory read as int32 would be other values, or past its end."""
+    if t.dtype != torch.int32:
+        raise TypeError(f"expected an int32 tensor for a value check, got {t.dtype}")
     return (t if t.is_cpu else t.cpu()).contiguous()
 
 

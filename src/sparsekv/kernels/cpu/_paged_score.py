@@ -250,6 +250,8 @@ class PagedScorePlan:
             return
         if q.dtype != self.key_dtype:  # the kernel reads q's memory as the keys' elements
             raise TypeError(f"q: expected the keys' dtype {self.key_dtype}, got {q.dtype}")
+        if scores.dtype != torch.float32:  # the kernel writes float32 at its address
+            raise TypeError(f"scores: expected float32, got {scores.dtype}")
         keys = self.keys
         target = scores if scores.is_contiguous() else torch.empty_like(scores, memory_format=torch.contiguous_format)
         q = q.contiguous()

@@ -461,6 +461,12 @@ def sparse_attention(out, lse, q, blocks, lookup_table, indices, counts, input_r
     if out.dtype != q.dtype or blocks.dtype != q.dtype or (gate is not None and gate.dtype != q.dtype):
         raise TypeError(f"sparse_attention: expected q, out, gate and the cache of one dtype, got {q.dtype}, "
                         f"{out.dtype}, {None if gate is None else gate.dtype}, {blocks.dtype}")
+    if lse.dtype != torch.float32:
+        raise TypeError(f"sparse_attention: expected float32 lse, got {lse.dtype}")
+    index_dtypes = (lookup_table.dtype, indices.dtype, counts.dtype, input_row_offsets.dtype)
+    if any(dtype != torch.int32 for dtype in index_dtypes):  # the kernel reads them by address as int32
+        raise TypeError("sparse_attention: expected int32 lookup_table, indices, counts and input_row_offsets, got "
+                        + ", ".join(str(dtype) for dtype in index_dtypes))
     kv_heads = blocks.shape[4]
     table, indices, counts = lookup_table.contiguous(), indices.contiguous(), counts.contiguous()
     seq_of_row, counted, most_rows, longest = plan_counted_rows(table, blocks.shape[0], blocks.shape[3], indices,

@@ -434,9 +434,11 @@ def qsa_block_score(scores, q, block_keys, query_positions, input_row_offsets, r
     out = scores if scores.is_contiguous() else torch.empty_like(scores, memory_format=torch.contiguous_format)
     q, block_keys = q.contiguous(), block_keys.contiguous()
     positions, offsets = query_positions.contiguous(), input_row_offsets.contiguous()
-    if q.dtype != block_keys.dtype or positions.dtype != torch.int32 or offsets.dtype != torch.int32:
-        raise TypeError(f"qsa_block_score: expected q and block_keys of one dtype and int32 positions and offsets, "
-                        f"got {q.dtype}, {block_keys.dtype}, {positions.dtype}, {offsets.dtype}")
+    if (q.dtype != block_keys.dtype or positions.dtype != torch.int32 or offsets.dtype != torch.int32
+            or scores.dtype != torch.float32):
+        raise TypeError(f"qsa_block_score: expected q and block_keys of one dtype, int32 positions and offsets and "
+                        f"float32 scores, got {q.dtype}, {block_keys.dtype}, {positions.dtype}, {offsets.dtype}, "
+                        f"{scores.dtype}")
     total_q, heads, dim = q.shape
     with threads_for(total_q * max_blocks * heads * dim) as threads:
         _block_scores_at(out.data_ptr(), q.data_ptr(), block_keys.data_ptr(), offsets.data_ptr(), positions.data_ptr(),
